@@ -1,0 +1,41 @@
+"""Packaging for the clean-room `deepspeed` distribution."""
+
+import pathlib
+import re
+
+from setuptools import find_packages, setup
+
+HERE = pathlib.Path(__file__).parent
+
+
+def read_version() -> str:
+    text = (HERE / "deepspeed" / "version.py").read_text()
+    match = re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError("deepspeed/version.py does not define __version__")
+    return match.group(1)
+
+
+def read_requirements(name: str) -> list:
+    lines = (HERE / "requirements" / name).read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith(("#", "-r"))]
+
+
+setup(
+    name="deepspeed",
+    version=read_version(),
+    description="A clean-room implementation of DeepSpeed ZeRO-3 with start()/stop() context managers",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["deepspeed", "deepspeed.*"]),
+    python_requires=">=3.9",
+    install_requires=read_requirements("requirements.txt"),
+    entry_points={
+        "console_scripts": [
+            "deepspeed=deepspeed.launcher.runner:main",
+            "ds_report=deepspeed.env_report:main",
+            "zero_to_fp32=deepspeed.utils.zero_to_fp32:main",
+        ]
+    },
+    license="Apache-2.0",
+)
