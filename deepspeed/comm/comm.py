@@ -1,0 +1,278 @@
+"""The collectives facade: the only module in `deepspeed/` that imports torch.distributed.
+
+Every collective is a plain function that takes its buffers and group as arguments and
+returns a `CommHandle` (already complete when `async_op=False`). ZeRO code calls them through
+the `deepspeed.comm` module attribute, so a test can count or patch them in one place.
+
+torch 2.13 deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` (a FutureWarning
+on every call) in favour of `all_gather_single` / `reduce_scatter_single`; we keep
+DeepSpeed's names for callers and call the newer functions where torch has them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as _dist
+
+from deepspeed.utils.logging import logger
+
+ReduceOp = _dist.ReduceOp
+ProcessGroup = _dist.ProcessGroup
+
+# Minutes a collective may wait for a peer before it fails (a dead rank becomes an error).
+DEFAULT_TIMEOUT_MINUTES = 30
+TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"
+
+_ALL_GATHER_SINGLE = getattr(_dist, "all_gather_single", None) or _dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(_dist, "reduce_scatter_single", None) or _dist.reduce_scatter_tensor
+
+
+class CommHandle:
+    """The result of a collective: `wait()` blocks until it finished (idempotent)."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: Optional[Any] = None) -> None:
+        self._work = work  # a torch Work object, or None when the call was synchronous
+
+    def wait(self) -> None:
+        if self._work is None:
+            return  # synchronous call, or already waited on
+        self._work.wait()
+        self._work = None
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _handle(work: Optional[Any], async_op: bool) -> CommHandle:
+    return CommHandle(work if async_op else None)
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def default_timeout() -> datetime.timedelta:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return datetime.timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
+    try:
+        minutes = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of minutes; set it to e.g. 30") from None
+    if minutes <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of minutes")
+    return datetime.timedelta(minutes=minutes)
+
+
+def _env_int(name: str, given: int) -> Optional[int]:
+    if given is not None and given >= 0:
+        return given
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _default_backend() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().communication_backend_name()
+
+
+def init_distributed(
+    dist_backend: Optional[str] = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: Optional[datetime.timedelta] = None,
+    init_method: Optional[str] = None,
+    dist_init_required: Optional[bool] = None,
+    config: Optional[Any] = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Join the default process group, or do nothing when torch.distributed already is initialized.
+
+    Rank and world size come from the arguments, else `RANK` / `WORLD_SIZE`; a process with
+    neither is treated as a single-process job (rank 0 of 1) so plain scripts run unchanged.
+    `MASTER_ADDR` / `MASTER_PORT` default to 127.0.0.1 and `distributed_port`. `timeout`
+    defaults to `DEEPSPEED_TIMEOUT` minutes (30), after which a missing peer is an error.
+    `auto_mpi_discovery` is accepted for compatibility; MPI launchers are not probed.
+    """
+    del auto_mpi_discovery, config  # accepted for signature compatibility
+    if dist_init_required is False:
+        return
+    if _dist.is_initialized():
+        return  # the caller (or a launcher) already set torch.distributed up: wrap it as it is
+    rank_value = _env_int("RANK", rank)
+    world_value = _env_int("WORLD_SIZE", world_size)
+    if rank_value is None and world_value is None:
+        rank_value, world_value = 0, 1
+    elif rank_value is None or world_value is None:
+        raise ValueError(
+            f"init_distributed: got RANK={rank_value} and WORLD_SIZE={world_value}; set both "
+            "(a launcher such as `deepspeed` or `torchrun` does) or neither for a single process"
+        )
+    if not 0 <= rank_value < world_value:
+        raise ValueError(f"init_distributed: RANK={rank_value} is outside [0, WORLD_SIZE={world_value})")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    # Launchers set LOCAL_RANK; a hand-started single-node job gets its global rank.
+    os.environ.setdefault("LOCAL_RANK", str(rank_value))
+    backend = dist_backend or _default_backend()
+    if backend == "nccl":
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().set_device(get_local_rank())
+    if verbose:
+        logger.info(f"init_distributed: backend={backend} rank={rank_value} world_size={world_value}")
+    _dist.init_process_group(
+        backend=backend,
+        init_method=init_method or "env://",
+        rank=rank_value,
+        world_size=world_value,
+        timeout=timeout or default_timeout(),
+    )
+
+
+def is_initialized() -> bool:
+    return _dist.is_available() and _dist.is_initialized()
+
+
+def is_available() -> bool:
+    return _dist.is_available()
+
+
+def destroy_process_group(group: Optional[ProcessGroup] = None) -> None:
+    if group is None:
+        _dist.destroy_process_group()
+    else:
+        _dist.destroy_process_group(group)
+
+
+def get_rank(group: Optional[ProcessGroup] = None) -> int:
+    """This process's rank in `group` (0 when torch.distributed is not initialized)."""
+    if not is_initialized():
+        return 0
+    return _dist.get_rank(group)
+
+
+def get_world_size(group: Optional[ProcessGroup] = None) -> int:
+    """The size of `group` (1 when torch.distributed is not initialized)."""
+    if not is_initialized():
+        return 1
+    return _dist.get_world_size(group)
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_world_group() -> ProcessGroup:
+    return _dist.group.WORLD
+
+
+def get_backend(group: Optional[ProcessGroup] = None) -> str:
+    return _dist.get_backend(group)
+
+
+def get_global_rank(group: Optional[ProcessGroup], group_rank: int) -> int:
+    if group is None or group is _dist.group.WORLD:
+        return group_rank
+    return _dist.get_global_rank(group, group_rank)
+
+
+def get_all_ranks_from_group(group: Optional[ProcessGroup] = None) -> list:
+    return [get_global_rank(group, r) for r in range(get_world_size(group))]
+
+
+def new_group(ranks: Optional[list] = None, **kwargs: Any) -> ProcessGroup:
+    return _dist.new_group(ranks=ranks, **kwargs)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> CommHandle:
+    return _handle(_dist.barrier(group=group, async_op=async_op), async_op)
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: Optional[ProcessGroup] = None, async_op: bool = False
+) -> CommHandle:
+    """Broadcast from global rank `src` (DeepSpeed and torch both take a global rank here)."""
+    return _handle(_dist.broadcast(tensor, src, group=group, async_op=async_op), async_op)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+) -> CommHandle:
+    return _handle(_dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+) -> CommHandle:
+    return _handle(_dist.reduce(tensor, dst, op=op, group=group, async_op=async_op), async_op)
+
+
+def all_gather(
+    tensor_list: list, tensor: torch.Tensor, group: Optional[ProcessGroup] = None, async_op: bool = False
+) -> CommHandle:
+    return _handle(_dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op)
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+) -> CommHandle:
+    """Concatenate every rank's `input_tensor` (equal sizes) into `output_tensor`, in rank order."""
+    work = _ALL_GATHER_SINGLE(output_tensor, input_tensor, group=group, async_op=async_op)
+    return _handle(work, async_op)
+
+
+def reduce_scatter_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+) -> CommHandle:
+    """Reduce `input_tensor` over ranks; rank r keeps the r-th equal slice in `output_tensor`."""
+    work = _REDUCE_SCATTER_SINGLE(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+    return _handle(work, async_op)
+
+
+def broadcast_object_list(object_list: list, src: int = 0, group: Optional[ProcessGroup] = None) -> None:
+    _dist.broadcast_object_list(object_list, src=src, group=group)
+
+
+def all_gather_object(object_list: list, obj: Any, group: Optional[ProcessGroup] = None) -> None:
+    _dist.all_gather_object(object_list, obj, group=group)
+
+
+def monitored_barrier(
+    group: Optional[ProcessGroup] = None, timeout: Optional[datetime.timedelta] = None
+) -> None:
+    """A barrier that names the missing ranks on timeout (gloo only; falls back to `barrier`)."""
+    if get_backend(group) == "gloo":
+        _dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+    else:
+        _dist.barrier(group=group)

@@ -1,0 +1,217 @@
+"""The one gather/release path for ZeRO-3 parameters, shared by GatheredParameters and the engine.
+
+[Note: why release is refcounted]
+A parameter can be wanted by several holders at once: two overlapping GatheredParameters
+blocks, a GatheredParameters around a forward pass, the engine's hooks for each submodule
+that uses it. Each holder calls `fetch()` once and `release()` once. `fetch()` takes a hold
+and gathers only parameters that are not yet gathered or in flight; `release()` drops the
+hold, and the last holder frees the gathered tensor. Writing changes back is per holder: a
+holder that modified the tensor (`has_been_updated=True`, or a broadcast from a modifier
+rank) copies its slice into the shard when it releases, even if others still hold it.
+
+[Note: coalescing]
+All parameters asked for in one `fetch()` that share a (process group, dtype) go into one
+all-gather: their shards are concatenated into one input, and the output is laid out rank
+by rank, `[rank 0: p0 shard, p1 shard, ...][rank 1: ...]`. Each parameter's full tensor is
+then cut out of that output; every rank issues the same collectives in the same order
+because parameters are sorted by `ds_id`, which is equal on all ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.runtime.zero.param_state import ZeroParamState, ZeroParamStatus, is_zero_param
+
+
+def zero_states(params: Iterable) -> list:
+    """The states of the ZeRO parameters among `params`, de-duplicated and sorted by ds_id."""
+    seen: dict = {}
+    for p in params:
+        if is_zero_param(p):
+            seen[p._zero_state.ds_id] = p._zero_state
+    return [seen[k] for k in sorted(seen)]
+
+
+def _compute_device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def _buckets_by_group_and_dtype(states: list) -> list:
+    """Split `states` (sorted by ds_id) into lists sharing a (group, dtype), order preserved."""
+    buckets: dict = {}
+    for s in states:
+        buckets.setdefault((id(s.group), s.shard.dtype), []).append(s)
+    return list(buckets.values())
+
+
+class _GatherBucket:
+    """One coalesced all-gather for parameters of one (group, dtype); `wait()` installs them."""
+
+    states: list  # ZeroParamState, sorted by ds_id
+    flat_out: Optional[torch.Tensor]  # 1D, [world_size * sum(partition_size)], rank-major
+    done: bool
+
+    def __init__(self, states: list) -> None:
+        self.states = states
+        self.flat_out = None
+        self._work = None
+        self.done = False
+
+    def issue(self, device: torch.device) -> None:
+        first = self.states[0]
+        shards = [s.shard.to(device, non_blocking=True) for s in self.states]
+        flat_in = shards[0] if len(shards) == 1 else torch.cat(shards)
+        self.flat_out = torch.empty(first.world_size * flat_in.numel(), dtype=flat_in.dtype, device=device)
+        self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=first.group, async_op=True)
+        for s in self.states:
+            s.to_inflight(self)
+
+    def wait(self) -> None:
+        if self.done:
+            return  # another holder waited on this bucket already
+        self._work.wait()
+        world = self.states[0].world_size
+        rows = self.flat_out.view(world, -1)
+        # With one rank, every cut below is a view into the shared output: copy so that each
+        # parameter owns (and frees) its own storage.
+        shared_views = world == 1 and len(self.states) > 1
+        offset = 0
+        for s in self.states:
+            piece = rows[:, offset : offset + s.partition_size].reshape(-1)[: s.numel]
+            if shared_views:
+                piece = piece.clone()
+            s.to_available(piece.view(s.shape))
+            offset += s.partition_size
+        self.flat_out = None
+        self.done = True
+
+
+class GatherHandle:
+    """The result of `fetch()`: `wait()` completes every all-gather the fetch depends on."""
+
+    def __init__(self, buckets: list) -> None:
+        self._buckets = buckets  # ours plus other holders' in-flight buckets we need
+
+    def wait(self) -> None:
+        for bucket in self._buckets:
+            bucket.wait()
+        self._buckets = []
+
+    def is_done(self) -> bool:
+        return all(b.done for b in self._buckets)
+
+
+def fetch_states(states: list, async_op: bool = False) -> GatherHandle:
+    """Take a hold on each state and gather those not available (see both notes above)."""
+    for s in states:
+        s.hold()
+    missing = [s for s in states if s.status is ZeroParamStatus.NOT_AVAILABLE]
+    in_flight = {id(s.pending): s.pending for s in states if s.status is ZeroParamStatus.INFLIGHT}
+    buckets = []
+    if missing:
+        device = _compute_device()
+        for group_states in _buckets_by_group_and_dtype(missing):
+            bucket = _GatherBucket(group_states)
+            bucket.issue(device)
+            buckets.append(bucket)
+    handle = GatherHandle(buckets + list(in_flight.values()))
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def fetch(params: Iterable, async_op: bool = False) -> GatherHandle:
+    return fetch_states(zero_states(params), async_op=async_op)
+
+
+def wait_available(states: list) -> None:
+    """Complete any gather still in flight for `states`."""
+    for s in states:
+        if s.status is ZeroParamStatus.INFLIGHT:
+            s.pending.wait()
+
+
+def release_states(states: list, has_been_updated: bool = False, missing_ok: bool = False) -> None:
+    """Drop one hold on each state; write edits back first if `has_been_updated`.
+
+    `missing_ok` serves upstream's `param.partition()`, which may be called on a parameter
+    nobody holds: then a gathered tensor is written back if asked and freed, else nothing.
+    """
+    wait_available(states)
+    for s in states:
+        if s.holders == 0:
+            if not missing_ok:
+                raise RuntimeError(
+                    f"[rank {s.rank}] parameter ds_id={s.ds_id} released but not held; "
+                    "each release must follow a fetch by the same holder"
+                )
+            if s.status is ZeroParamStatus.AVAILABLE:
+                if has_been_updated:
+                    s.write_back()
+                if not s.persist:
+                    s.to_released()
+            continue
+        if has_been_updated:
+            s.write_back()
+        if s.unhold() == 0 and not s.persist:
+            s.to_released()
+
+
+def release(params: Iterable, has_been_updated: bool = False, missing_ok: bool = True) -> None:
+    release_states(zero_states(params), has_been_updated=has_been_updated, missing_ok=missing_ok)
+
+
+def broadcast_coalesced(tensors: list, src: int, group) -> None:
+    """Broadcast `tensors` in place from global rank `src`: one collective per dtype."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same_dtype in by_dtype.values():
+        if len(same_dtype) == 1 and same_dtype[0].is_contiguous():
+            dist.broadcast(same_dtype[0], src=src, group=group)
+            continue
+        flat = torch.cat([t.reshape(-1) for t in same_dtype])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in same_dtype:
+            t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+
+
+def broadcast_full(states: list, src_group_rank: int) -> None:
+    """Make every rank's gathered tensors equal to group rank `src_group_rank`'s."""
+    for bucket in _buckets_by_group_and_dtype(states):
+        group = bucket[0].group
+        src = dist.get_global_rank(group, src_group_rank)
+        broadcast_coalesced([s.param.data for s in bucket], src, group)
+
+
+def find_discarded_edits(states: list) -> list:
+    """ds_ids of gathered tensors that differ from their shards on any rank (sanity checks).
+
+    Regathers the shards and compares; the verdict is all-reduced so every rank agrees.
+    """
+    device = _compute_device()
+    changed = []
+    for bucket_states in _buckets_by_group_and_dtype(states):
+        flags = torch.zeros(len(bucket_states), dtype=torch.int32, device=device)
+        for i, s in enumerate(bucket_states):
+            reference = torch.empty(s.world_size * s.partition_size, dtype=s.shard.dtype, device=device)
+            dist.all_gather_into_tensor(reference, s.shard.to(device), group=s.group)
+            current = s.param.data.reshape(-1).to(device)
+            flags[i] = int(not torch.equal(reference[: s.numel], current))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=bucket_states[0].group)
+        changed.extend(s.ds_id for s, f in zip(bucket_states, flags.tolist()) if f)
+    return changed
+
+
+def partition_new_state(state: ZeroParamState) -> None:
+    """First partition of a freshly converted parameter: its shard exists, free the full tensor."""
+    if state.holders == 0 and not state.persist:
+        state.to_released()

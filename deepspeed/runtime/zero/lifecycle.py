@@ -1,0 +1,107 @@
+"""The start()/stop() lifecycle tracker shared by `zero.Init` and `zero.GatheredParameters`.
+
+[Note: why a tracker object, not flags on the context]
+Both context classes split `__enter__`/`__exit__` into public `start()`/`stop()` so that a
+gathered block can be written once for ZeRO and non-ZeRO runs. Misuse must be loud in a
+plain single-process run too, so the tracker counts even when the context is disabled or
+holds no ZeRO parameter. It holds no reference to its owner: a `weakref.finalize` on the
+owner can then report an object that was started and dropped without `stop()`.
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+import weakref
+from typing import Optional
+
+
+def _caller_site(skip_files: tuple) -> str:
+    """`file:line in function` of the first frame outside this package's context code."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        if not frame.filename.endswith(skip_files):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "<unknown>"
+
+
+# Frames from these files are skipped when recording where start() was called from.
+_INTERNAL_FILES = ("zero/lifecycle.py", "zero/partition_parameters.py")
+
+
+class _LiveRegistry:
+    """The one owner of the set of started-but-not-stopped trackers (for `live_contexts()`)."""
+
+    def __init__(self) -> None:
+        self._live: dict = {}  # id(tracker) -> tracker; trackers hold no reference to owners
+
+    def add(self, tracker: LifecycleTracker) -> None:
+        self._live[id(tracker)] = tracker
+
+    def discard(self, tracker: LifecycleTracker) -> None:
+        self._live.pop(id(tracker), None)
+
+    def snapshot(self) -> list:
+        return [(t.description, t.start_site) for t in self._live.values()]
+
+    def reset(self) -> None:
+        self._live.clear()
+
+
+_REGISTRY = _LiveRegistry()
+
+
+def live_contexts() -> list:
+    """`(description, where start() was called)` for every started, not yet stopped context.
+
+    A debugging helper: call it where you expect no gather or Init to be active.
+    """
+    return _REGISTRY.snapshot()
+
+
+class LifecycleTracker:
+    """idle -> active -> idle; `begin()` and `end()` check the transition and raise on misuse."""
+
+    description: str  # names the owner in messages, e.g. "GatheredParameters(3 params)"
+    active: bool
+    start_site: Optional[str]  # where the current (or last) start() was called from
+    starts: int  # how many times the owner was started, for debugging
+
+    def __init__(self, owner: object, description: str) -> None:
+        self.description = description
+        self.active = False
+        self.start_site = None
+        self.starts = 0
+        weakref.finalize(owner, self._on_owner_collected)
+
+    def begin(self) -> None:
+        if self.active:
+            raise RuntimeError(
+                f"{self.description}.start() was called while it is already active "
+                f"(started at {self.start_site}); call stop() before starting it again, "
+                "or create a second object"
+            )
+        self.active = True
+        self.starts += 1
+        self.start_site = _caller_site(_INTERNAL_FILES)
+        _REGISTRY.add(self)
+
+    def end(self) -> None:
+        if not self.active:
+            never = " (it was never started)" if self.starts == 0 else ""
+            raise RuntimeError(
+                f"{self.description}.stop() was called while it is not active{never}; "
+                "every stop() must follow a start() on the same object"
+            )
+        self.active = False
+        _REGISTRY.discard(self)
+
+    def _on_owner_collected(self) -> None:
+        if self.active:
+            _REGISTRY.discard(self)
+            warnings.warn(
+                f"{self.description} was started at {self.start_site} and garbage-collected "
+                "without stop(); its parameters stay gathered or its patches installed. "
+                "Call stop() (or use a `with` block)",
+                ResourceWarning,
+                stacklevel=2,
+            )

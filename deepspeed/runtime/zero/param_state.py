@@ -1,0 +1,280 @@
+"""One object owns each ZeRO-3 parameter's state; the upstream `ds_*` attributes are views over it.
+
+[Note: shard math]
+For a partition group of size `ws`, a parameter of `numel` elements is padded to a multiple
+of `ws`: `padding = (ws - numel % ws) % ws`, `partition_size = (numel + padding) // ws`.
+Rank `r` owns flat elements `[r * partition_size, (r + 1) * partition_size)`; elements at
+or beyond `numel` are padding (zeros, never read back into the parameter).
+
+[Note: why a Parameter subclass]
+Callers read `param.ds_status`, `param.ds_tensor`, ... and call `param.all_gather()`.
+Rather than glue closures and loose attributes onto each parameter (upstream), a converted
+parameter's class becomes `ZeroParameter`, whose properties and methods read and act on the
+single `ZeroParamState` stored in `param._zero_state`. It is still an `nn.Parameter`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+class ZeroParamStatus(enum.Enum):
+    AVAILABLE = 1  # the full tensor is in param.data
+    NOT_AVAILABLE = 2  # param.data is empty; only this rank's shard exists
+    INFLIGHT = 3  # an all-gather into param.data was issued and not yet waited on
+
+
+class ZeroParamType(enum.Enum):
+    NORMAL = 1
+    PARTITIONED = 2
+    REMOTE = 3  # the shard lives off the compute device (remote_device="cpu")
+
+
+def shard_sizes(numel: int, world_size: int) -> tuple:
+    """`(partition_size, padding)` for `numel` elements over `world_size` ranks (see the note)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    padding = (world_size - numel % world_size) % world_size
+    return (numel + padding) // world_size, padding
+
+
+class _IdCounter:
+    """Hands out `ds_id`s; equal on all ranks because construction order is. One owner, resettable."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def next(self) -> int:
+        return next(self._counter)
+
+    def reset(self) -> None:
+        self._counter = itertools.count()
+
+
+PARAM_IDS = _IdCounter()
+
+
+def _empty_like_data(param: torch.Tensor) -> torch.Tensor:
+    # A shape-[0] placeholder with the parameter's dtype and device, as upstream leaves it.
+    return torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+class ZeroParamState:
+    """Everything ZeRO knows about one parameter. Status changes only through the `to_*` methods."""
+
+    param: nn.Parameter
+    ds_id: int
+    shape: torch.Size
+    numel: int
+    group: Any  # the partition process group (None: the world)
+    world_size: int
+    rank: int  # this process's rank within `group`
+    partition_size: int  # elements per rank, padding included
+    padding: int  # elements added to reach a multiple of world_size
+    shard: torch.Tensor  # 1D, [partition_size], this rank's slice (padding zero-filled)
+    status: ZeroParamStatus
+    holders: int  # live holders of the gathered tensor (see gather.py's refcount note)
+    persist: bool  # small parameters that stay gathered (stage3_param_persistence_threshold)
+    active_sub_modules: set  # ids of submodules currently running with this parameter
+    pending: Optional[Any]  # the gather bucket that will materialize an INFLIGHT parameter
+    param_type: ZeroParamType
+    sanity_checks: bool  # detect edits discarded by a modifier_rank=None gather
+    external_owners: list  # modules this parameter is registered with as external
+
+    def __init__(self, param: nn.Parameter, group: Any, world_size: int, rank: int, remote_device=None) -> None:
+        self.param = param
+        self.ds_id = PARAM_IDS.next()
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
+        self.partition_size, self.padding = shard_sizes(self.numel, world_size)
+        self.shard = self._make_shard(param.data, remote_device)
+        self.status = ZeroParamStatus.AVAILABLE
+        self.holders = 0
+        self.persist = False
+        self.active_sub_modules = set()
+        self.pending = None
+        self.param_type = ZeroParamType.REMOTE if remote_device is not None else ZeroParamType.PARTITIONED
+        self.sanity_checks = False
+        self.external_owners = []
+
+    # ------------------------------------------------------------------ shard I/O
+
+    def _make_shard(self, full: torch.Tensor, remote_device) -> torch.Tensor:
+        device = torch.device(remote_device) if remote_device is not None else full.device
+        shard = torch.zeros(self.partition_size, dtype=full.dtype, device=device)
+        self._copy_own_slice(full, shard)
+        return shard
+
+    def own_slice_bounds(self) -> tuple:
+        """`[start, end)` of this rank's real (non-padding) elements in the flat tensor."""
+        start = self.rank * self.partition_size
+        return min(start, self.numel), min(start + self.partition_size, self.numel)
+
+    def _copy_own_slice(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        start, end = self.own_slice_bounds()
+        if end > start:
+            shard[: end - start].copy_(full.reshape(-1)[start:end])
+
+    def write_back(self) -> None:
+        """Copy this rank's slice of the gathered tensor into the shard (has_been_updated=True)."""
+        self._require(ZeroParamStatus.AVAILABLE, "write_back")
+        self._copy_own_slice(self.param.data, self.shard)
+
+    def padded_shard_for_gather(self) -> torch.Tensor:
+        return self.shard
+
+    # ------------------------------------------------------------------ status transitions
+
+    def _require(self, expected: ZeroParamStatus, action: str) -> None:
+        assert self.status is expected, (
+            f"[rank {self.rank}] ds_id={self.ds_id}: {action} needs status {expected.name}, found {self.status.name}"
+        )
+
+    def to_inflight(self, bucket: Any) -> None:
+        self._require(ZeroParamStatus.NOT_AVAILABLE, "to_inflight")
+        self.pending = bucket
+        self.status = ZeroParamStatus.INFLIGHT
+
+    def to_available(self, full: torch.Tensor) -> None:
+        """Install the gathered tensor (shape `self.shape`) as the parameter's data."""
+        self._require(ZeroParamStatus.INFLIGHT, "to_available")
+        self.param.data = full
+        self.pending = None
+        self.status = ZeroParamStatus.AVAILABLE
+
+    def to_released(self) -> None:
+        """Free the gathered tensor; only the shard remains."""
+        self._require(ZeroParamStatus.AVAILABLE, "to_released")
+        assert self.holders == 0, f"[rank {self.rank}] ds_id={self.ds_id} released with {self.holders} holders"
+        self.param.data = _empty_like_data(self.param)
+        self.status = ZeroParamStatus.NOT_AVAILABLE
+
+    # ------------------------------------------------------------------ holders
+
+    def hold(self) -> None:
+        self.holders += 1
+
+    def unhold(self) -> int:
+        assert self.holders > 0, f"[rank {self.rank}] ds_id={self.ds_id} released more often than held"
+        self.holders -= 1
+        return self.holders
+
+    def summary(self) -> dict:
+        return {
+            "id": self.ds_id,
+            "status": self.status.name,
+            "numel": self.numel,
+            "ds_numel": self.numel,
+            "shape": tuple(self.shape),
+            "ds_shape": tuple(self.shape),
+            "requires_grad": self.param.requires_grad,
+            "grad_shape": tuple(self.param.grad.shape) if self.param.grad is not None else None,
+            "persist": self.persist,
+            "active_sub_modules": sorted(self.active_sub_modules),
+            "holders": self.holders,
+            "partition_size": self.partition_size,
+            "padding": self.padding,
+        }
+
+
+class ZeroParameter(nn.Parameter):
+    """An `nn.Parameter` whose upstream `ds_*` attributes are read-only views of its state."""
+
+    _zero_state: ZeroParamState
+
+    @property
+    def ds_id(self) -> int:
+        return self._zero_state.ds_id
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        return self._zero_state.status
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return self._zero_state.shape
+
+    @property
+    def ds_numel(self) -> int:
+        return self._zero_state.numel
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        return self._zero_state.shard
+
+    @property
+    def ds_persist(self) -> bool:
+        return self._zero_state.persist
+
+    @property
+    def ds_process_group(self) -> Any:
+        return self._zero_state.group
+
+    @property
+    def ds_active_sub_modules(self) -> set:
+        return self._zero_state.active_sub_modules
+
+    @property
+    def ds_param_type(self) -> ZeroParamType:
+        return self._zero_state.param_type
+
+    def partition_numel(self) -> int:
+        return self._zero_state.partition_size
+
+    def padding_size(self) -> int:
+        return self._zero_state.padding
+
+    def ds_summary(self) -> dict:
+        return self._zero_state.summary()
+
+    def all_gather(self, param_list: Optional[list] = None, async_op: bool = False):
+        """Gather `param_list` (default: this parameter). Each call holds them until `partition()`."""
+        from deepspeed.runtime.zero import gather
+
+        handle = gather.fetch(param_list or [self], async_op=True)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def all_gather_coalesced(self, params: list, safe_mode: bool = False, quantize: bool = False):
+        """Issue one coalesced gather of `params` and return its handle (call `wait()`)."""
+        del safe_mode, quantize  # accepted for compatibility
+        from deepspeed.runtime.zero import gather
+
+        return gather.fetch(params, async_op=True)
+
+    def partition(self, param_list: Optional[list] = None, has_been_updated: bool = False, free_data: bool = True):
+        """Drop the hold taken by `all_gather()`; `has_been_updated=True` first writes edits back."""
+        del free_data  # the last holder always frees: see gather.py's refcount note
+        from deepspeed.runtime.zero import gather
+
+        gather.release(param_list or [self], has_been_updated=has_been_updated)
+
+    def __repr__(self) -> str:
+        state = self._zero_state
+        return f"ZeroParameter(ds_id={state.ds_id}, shape={tuple(state.shape)}, status={state.status.name})"
+
+    def __reduce_ex__(self, protocol):
+        # Pickle (and deepcopy) as a plain Parameter holding the gathered-or-empty data.
+        return (nn.Parameter, (self.data.detach().clone(), self.requires_grad))
+
+
+def is_zero_param(tensor: Any) -> bool:
+    return isinstance(tensor, ZeroParameter)
+
+
+def make_zero_param(param: nn.Parameter, group: Any, world_size: int, rank: int, remote_device=None) -> ZeroParameter:
+    """Attach state to `param` and switch its class (see the note); its full data stays in place."""
+    state = ZeroParamState(param, group, world_size, rank, remote_device)
+    param.__class__ = ZeroParameter
+    param._zero_state = state
+    return param

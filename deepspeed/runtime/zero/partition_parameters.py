@@ -1,0 +1,507 @@
+"""`zero.Init` and `zero.GatheredParameters`, each with public `start()` / `stop()`.
+
+[Note: start()/stop() are the implementation, `with` is sugar]
+Both classes keep `__enter__` / `__exit__`, which only call `start()` / `stop()`, so that the
+`with` block and explicit calls run one gather/partition implementation. That lets model
+code write a gathered block once for ZeRO-3 and plain runs:
+
+    gather = GatheredParameters(old.weight, modifier_rank=0, enabled=zero3).start()
+    new.weight.data[:n] = old.weight.data[:n]
+    gather.stop()
+
+A per-instance `LifecycleTracker` makes unbalanced calls raise even when `enabled=False`.
+
+This module also keeps the upstream names clients import: `ZeroParamStatus`,
+`zero_wrapper_for_fp_tensor_constructor` (looked up here by name each time an Init starts,
+so a client may swap it) and the `_orig_torch_*` factories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from deepspeed import comm as dist
+from deepspeed.runtime.zero import gather
+from deepspeed.runtime.zero.lifecycle import LifecycleTracker, live_contexts
+from deepspeed.runtime.zero.param_state import (
+    ZeroParameter,
+    ZeroParamStatus,
+    ZeroParamType,
+    is_zero_param,
+    make_zero_param,
+)
+from deepspeed.runtime.zero.patching import (  # noqa: F401 - upstream names, re-exported
+    PATCHES,
+    _orig_torch_arange,
+    _orig_torch_empty,
+    _orig_torch_eye,
+    _orig_torch_full,
+    _orig_torch_ones,
+    _orig_torch_randn,
+    _orig_torch_tensor,
+    _orig_torch_zeros,
+    zero_wrapper_for_fp_tensor_constructor,
+)
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "ZeroParamType",
+    "ZeroParameter",
+    "is_zero_param",
+    "live_contexts",
+    "register_external_parameter",
+    "restore_init_context",
+    "shutdown_init_context",
+    "unregister_external_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
+]
+
+_SUPPORTED_REMOTE_DEVICES = (None, "none", "cpu")
+
+
+# ============================================================================ Init settings
+
+
+def _load_config(config_dict_or_path: Any) -> dict:
+    if config_dict_or_path is None:
+        return {}
+    if isinstance(config_dict_or_path, dict):
+        return config_dict_or_path
+    if hasattr(config_dict_or_path, "_param_dict"):  # a DeepSpeedConfig object
+        return config_dict_or_path._param_dict
+    if isinstance(config_dict_or_path, (str, os.PathLike)):
+        path = os.fspath(config_dict_or_path)
+        if not os.path.isfile(path):
+            raise ValueError(f"zero.Init: config_dict_or_path={path!r} is not a file; pass a dict or a JSON path")
+        with open(path) as f:
+            try:
+                return json.load(f)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"zero.Init: {path!r} is not valid JSON: {err}") from None
+    raise TypeError(
+        f"zero.Init: config_dict_or_path must be a dict, a JSON path or a DeepSpeedConfig, "
+        f"got {type(config_dict_or_path).__name__}"
+    )
+
+
+def _dtype_from_config(cfg: dict) -> torch.dtype:
+    """bf16, else fp16, else fp32, as the engine will train the model."""
+    bf16 = cfg.get("bf16", cfg.get("bfloat16", {})) or {}
+    if bf16.get("enabled", False):
+        return torch.bfloat16
+    if (cfg.get("fp16") or {}).get("enabled", False):
+        return torch.float16
+    return torch.float32
+
+
+def _sanity_checks_from_config(cfg: dict) -> bool:
+    zero = cfg.get("zero_optimization") or {}
+    if not zero:
+        return False
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return bool(DeepSpeedZeroConfig(**zero).enable_sanity_checks)
+
+
+class _InitSettings:
+    """What an active Init applies to modules built under it (the innermost one governs)."""
+
+    dtype: torch.dtype
+    device: torch.device  # where parameters are created and gathered
+    remote_device: Optional[str]  # where shards live; None: on `device`
+    pin_memory: bool
+    group: Any  # the partition process group (None: the world)
+    world_size: int
+    rank: int
+    sanity_checks: bool
+
+    def __init__(self, init: Init) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        self.dtype = init.dtype
+        self.device = torch.device(accelerator.current_device_name())
+        self.remote_device = None if init.remote_device in (None, "none") else init.remote_device
+        self.pin_memory = bool(init.pin_memory) and self.remote_device == "cpu"
+        self.group = init.group
+        self.world_size = dist.get_world_size(init.group)
+        self.rank = dist.get_rank(init.group)
+        self.sanity_checks = init.sanity_checks
+
+
+# ============================================================================ the Init stack
+
+
+class _InitStack:
+    """The one owner of which Inits are active; it installs and removes the patches.
+
+    [Note: nested Init]
+    Module-class patches are installed when the first Init starts and removed when the last
+    stops; tensor factories are re-bound to the innermost active Init's dtype each time the
+    stack changes, so the innermost Init governs what is built (as nested `torch.device`
+    contexts do). Stops must be last-in-first-out.
+    """
+
+    def __init__(self) -> None:
+        self.active: list = []  # (Init, _InitSettings), outermost first
+        self.paused = False  # shutdown_init_context() while the engine is built
+
+    def innermost(self) -> Optional[_InitSettings]:
+        return self.active[-1][1] if self.active else None
+
+    def push(self, init: Init, settings: _InitSettings) -> None:
+        self.active.append((init, settings))
+        self.sync_patches()
+
+    def check_top(self, init: Init) -> None:
+        top = self.active[-1][0] if self.active else None
+        if top is not init:
+            raise RuntimeError(
+                f"{init._describe()}.stop() was called while the inner {top._describe()} "
+                f"(started at {top._tracker.start_site}) is still active; stop the inner Init first "
+                "(Init stops are last-in-first-out)"
+            )
+
+    def pop(self, init: Init) -> None:
+        self.active.pop()
+        self.sync_patches()
+
+    def sync_patches(self) -> None:
+        """Make the installed patches match the stack; on any error, remove them all."""
+        try:
+            settings = self.innermost()
+            if settings is None or self.paused:
+                PATCHES.remove_all()
+                return
+            if not PATCHES.modules.installed:
+                PATCHES.modules.install(_convert_built_module, _gathered_apply)
+            # Looked up by name at each start: a client may have swapped the wrapper.
+            PATCHES.factories.bind(globals()["zero_wrapper_for_fp_tensor_constructor"], settings.dtype)
+        except BaseException:
+            PATCHES.remove_all()
+            raise
+
+    def reset(self) -> None:
+        """For tests: forget every active Init and undo every patch."""
+        self.active.clear()
+        self.paused = False
+        PATCHES.remove_all()
+
+
+_INIT_STACK = _InitStack()
+
+
+def shutdown_init_context() -> None:
+    """Pause every active Init's patches (the engine calls this while it is built)."""
+    _INIT_STACK.paused = True
+    _INIT_STACK.sync_patches()
+
+
+def restore_init_context() -> None:
+    """Undo `shutdown_init_context()`."""
+    _INIT_STACK.paused = False
+    _INIT_STACK.sync_patches()
+
+
+def _convert_built_module(module: nn.Module) -> None:
+    """The module-patch hook: runs when a module's outermost `__init__` returns."""
+    settings = _INIT_STACK.innermost()
+    if settings is not None:
+        _convert_module_with(module, settings)
+
+
+def _convert_module_with(module: nn.Module, settings: _InitSettings) -> None:
+    own = [p for p in module._parameters.values() if p is not None and not is_zero_param(p)]
+    if own:
+        convert_params(own, settings)
+
+
+def convert_params(params: list, settings: _InitSettings) -> None:
+    """Cast, place, broadcast from group rank 0, and partition `params` (plain Parameters)."""
+    for p in params:
+        data = p.data.to(settings.device)
+        if data.is_floating_point() and data.dtype != settings.dtype:
+            data = data.to(settings.dtype)
+        p.data = data
+    if settings.world_size > 1:
+        # Ranks may have drawn different random initial values: rank 0's are the model.
+        src = dist.get_global_rank(settings.group, 0)
+        gather.broadcast_coalesced([p.data for p in params], src, settings.group)
+    for p in params:
+        make_zero_param(p, settings.group, settings.world_size, settings.rank, settings.remote_device)
+        state = p._zero_state
+        state.sanity_checks = settings.sanity_checks
+        if settings.pin_memory:
+            from deepspeed.accelerator import get_accelerator
+
+            state.shard = get_accelerator().pin_memory(state.shard)
+        gather.partition_new_state(state)
+
+
+def _gathered_apply(module: nn.Module, fn) -> nn.Module:
+    """`Module.apply` under Init: each module's own parameters are gathered around `fn`.
+
+    Children first, then the module itself, as torch does; `fn`'s edits on rank 0 are what
+    every rank keeps (`modifier_rank=0`).
+    """
+    for child in module.children():
+        child.apply(fn)
+    own = [p for p in module._parameters.values() if p is not None]
+    with GatheredParameters(own, modifier_rank=0):
+        fn(module)
+    return module
+
+
+# ============================================================================ Init
+
+
+class Init:
+    """Build modules with their parameters partitioned across ranks as they are created.
+
+    Constructing it does no work: `start()` (or `with`) installs the patches, `stop()`
+    removes them. `module=` converts an already-built model at construction, as upstream.
+    """
+
+    def __init__(
+        self,
+        module: Optional[nn.Module] = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: Optional[str] = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: Optional[torch.dtype] = None,
+        mpu: Any = None,
+        zero_param_parallel_group: Any = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group: Any = None,
+        param_swapper: Any = None,
+    ) -> None:
+        # mem_efficient_linear: upstream swaps F.linear for a memory-saving variant; ours keeps
+        # torch's, whose saved activations are the same tensors. zero_param_parallel_group is
+        # for hierarchical partitioning (ZeRO++ hpZ), which we do not implement: ignored.
+        del mem_efficient_linear, zero_param_parallel_group
+        if zero_quantized_weights or zero_quantized_nontrainable_weights:
+            raise NotImplementedError("zero.Init: quantized weights (ZeRO++ qwZ) are not supported; pass False")
+        if param_swapper is not None:
+            raise NotImplementedError("zero.Init: param_swapper (NVMe offload) is not supported; pass None")
+        if remote_device not in _SUPPORTED_REMOTE_DEVICES:
+            raise ValueError(
+                f"zero.Init: remote_device={remote_device!r} is not supported; use None (shards on the "
+                "compute device) or 'cpu'"
+            )
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"zero.Init: dtype={dtype!r} must be a floating torch.dtype such as torch.bfloat16")
+        cfg = _load_config(config_dict_or_path if config_dict_or_path is not None else config)
+        self.enabled = enabled
+        self.dtype = dtype if dtype is not None else _dtype_from_config(cfg)
+        self.remote_device = remote_device
+        self.pin_memory = pin_memory
+        self.sanity_checks = _sanity_checks_from_config(cfg) if enabled else False
+        self.group = self._choose_group(data_parallel_group, mpu, sequence_data_parallel_group)
+        self._tracker = LifecycleTracker(self, self._describe())
+        if module is not None and enabled:
+            self._convert_existing(module)
+
+    @staticmethod
+    def _choose_group(data_parallel_group, mpu, sequence_data_parallel_group):
+        if sequence_data_parallel_group is not None:
+            return sequence_data_parallel_group
+        if data_parallel_group is not None:
+            return data_parallel_group
+        if mpu is not None:
+            return mpu.get_data_parallel_group()
+        return None
+
+    def _describe(self) -> str:
+        state = "" if self.enabled else ", enabled=False"
+        return f"zero.Init(dtype={self.dtype}{state})"
+
+    def _convert_existing(self, module: nn.Module) -> None:
+        dist.init_distributed(verbose=False)
+        settings = _InitSettings(self)
+        for sub in module.modules():
+            _convert_module_with(sub, settings)
+
+    def start(self) -> Init:
+        """Start partitioning modules as they are built; returns `self`."""
+        self._tracker.begin()
+        if not self.enabled:
+            return self  # a no-op that still tracks start/stop
+        try:
+            dist.init_distributed(verbose=False)
+            _INIT_STACK.push(self, _InitSettings(self))
+        except BaseException:
+            self._tracker.end()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop partitioning; the last active Init removes every patch."""
+        if self._tracker.active and self.enabled:
+            _INIT_STACK.check_top(self)
+        self._tracker.end()
+        if self.enabled:
+            _INIT_STACK.pop(self)
+
+    def __enter__(self) -> Init:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop()
+
+
+# ============================================================================ GatheredParameters
+
+
+def _as_param_list(params: Any) -> list:
+    if params is None:
+        return []
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, Iterable):
+        return [p for p in params if isinstance(p, torch.Tensor)]
+    raise TypeError(
+        f"GatheredParameters: params must be a tensor or an iterable of tensors, got {type(params).__name__}"
+    )
+
+
+class GatheredParameters:
+    """Gather ZeRO-3 parameters between `start()` and `stop()` (or inside a `with` block).
+
+    `params`: one tensor or any iterable; None entries and non-ZeRO tensors are dropped,
+    duplicates removed, the rest ordered by `ds_id`. `modifier_rank=k`: on stop, group
+    rank k's tensors are broadcast and every rank keeps its slice; `None`: edits are
+    discarded (and detected, with `zero_optimization.enable_sanity_checks`). Overlapping
+    gathers of one parameter are reference-counted (see gather.py).
+    """
+
+    def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None, enabled: bool = True):
+        self.enabled = enabled
+        self.modifier_rank = modifier_rank
+        self._states = gather.zero_states(_as_param_list(params)) if enabled else []
+        self._handle: Optional[gather.GatherHandle] = None
+        if self._states:
+            self._check_modifier_rank(modifier_rank)
+            if fwd_module is not None:
+                for s in self._states:
+                    register_external_parameter(fwd_module, s.param)
+        self._tracker = LifecycleTracker(self, self._describe())
+
+    def _describe(self) -> str:
+        flags = "" if self.enabled else ", enabled=False"
+        return f"GatheredParameters({len(self._states)} ZeRO params, modifier_rank={self.modifier_rank}{flags})"
+
+    def _check_modifier_rank(self, modifier_rank: Optional[int]) -> None:
+        if modifier_rank is None:
+            return
+        if not isinstance(modifier_rank, int) or isinstance(modifier_rank, bool):
+            raise TypeError(f"GatheredParameters: modifier_rank={modifier_rank!r} must be an int rank or None")
+        for s in self._states:
+            if not 0 <= modifier_rank < s.world_size:
+                raise ValueError(
+                    f"GatheredParameters: modifier_rank={modifier_rank} is outside parameter ds_id={s.ds_id}'s "
+                    f"group of {s.world_size} ranks; pass a rank in [0, {s.world_size}) or None"
+                )
+
+    @property
+    def params(self) -> list:
+        return [s.param for s in self._states]
+
+    def start(self, async_op: bool = False) -> GatheredParameters:
+        """Gather the parameters and return `self`; with `async_op=True`, `wait()` completes it."""
+        self._tracker.begin()
+        if not self._states:
+            return self  # disabled, or no ZeRO parameter: nothing to gather
+        try:
+            self._handle = gather.fetch_states(self._states, async_op=async_op)
+        except BaseException:
+            self._tracker.end()
+            raise
+        return self
+
+    def wait(self) -> None:
+        """Complete an asynchronous `start(async_op=True)`."""
+        if not self._tracker.active:
+            raise RuntimeError(f"{self._describe()}.wait() was called while it is not active; call start() first")
+        if self._handle is not None:
+            self._handle.wait()
+
+    def stop(self) -> None:
+        """Write back (modifier_rank) or discard edits, then release the parameters."""
+        self._tracker.end()
+        if not self._states:
+            return
+        states, updated = self._states, False
+        try:
+            self._handle.wait()
+            if self.modifier_rank is not None:
+                gather.broadcast_full(states, self.modifier_rank)
+                updated = True
+            elif any(s.sanity_checks for s in states):
+                self._raise_on_discarded_edits(states)
+        finally:
+            self._handle = None
+            gather.release_states(states, has_been_updated=updated)
+
+    @staticmethod
+    def _raise_on_discarded_edits(states: list) -> None:
+        changed = gather.find_discarded_edits(states)
+        if changed:
+            raise RuntimeError(
+                f"GatheredParameters(modifier_rank=None) would discard edits to parameters with ds_id "
+                f"{changed}; pass modifier_rank=<the rank that edits> to keep them"
+            )
+
+    def __enter__(self) -> GatheredParameters:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop()
+
+
+# ============================================================================ external parameters
+
+
+def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:
+    """Tell the engine that `module`'s forward uses `parameter`, owned by another module.
+
+    The engine then gathers it around `module`'s forward and backward. A parameter that is
+    not partitioned (not ZeRO-3) needs nothing and is accepted as a no-op.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(parameter, nn.Parameter):
+        raise TypeError(
+            f"register_external_parameter: parameter must be an nn.Parameter, got {type(parameter).__name__}"
+        )
+    if not is_zero_param(parameter):
+        return
+    external = module.__dict__.setdefault("_external_params", {})
+    external[parameter.ds_id] = parameter
+    owners = parameter._zero_state.external_owners
+    if not any(m is module for m in owners):
+        owners.append(module)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:
+    external = module.__dict__.get("_external_params", {})
+    if not is_zero_param(parameter) or parameter.ds_id not in external:
+        raise ValueError(f"unregister_external_parameter: {parameter!r} is not registered with {type(module).__name__}")
+    del external[parameter.ds_id]
+    owners = parameter._zero_state.external_owners
+    owners[:] = [m for m in owners if m is not module]
+
+
+def external_parameters(module: nn.Module) -> list:
+    return list(module.__dict__.get("_external_params", {}).values())

@@ -1,0 +1,174 @@
+"""The comm facade on real spawned process groups (gloo on CPU), and the harness's failure paths."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from tests.unit.common import DistributedTest, _run_distributed, get_free_port
+
+
+class TestCollectives(DistributedTest):
+    world_size = [1, 2, 4]
+
+    def test_facade_collectives(self):
+        rank, size = dist.get_rank(), dist.get_world_size()
+        assert dist.is_initialized()
+        assert int(os.environ["RANK"]) == rank and dist.get_local_rank() == rank
+        assert dist.get_backend() in ("gloo", "nccl")
+
+        t = torch.full((3,), float(rank))
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((3,), float(sum(range(size)))))
+
+        t = torch.full((2,), float(rank))
+        dist.broadcast(t, src=size - 1)
+        assert torch.equal(t, torch.full((2,), float(size - 1)))
+
+        shard = torch.arange(3, dtype=torch.float32) + 10 * rank
+        full = torch.empty(3 * size)
+        handle = dist.all_gather_into_tensor(full, shard, async_op=True)
+        handle.wait()
+        handle.wait()  # waiting twice is harmless
+        expected = torch.cat([torch.arange(3, dtype=torch.float32) + 10 * r for r in range(size)])
+        assert torch.equal(full, expected)
+
+        contrib = torch.arange(2 * size, dtype=torch.float32) * (rank + 1)
+        out = torch.empty(2)
+        dist.reduce_scatter_tensor(out, contrib).wait()
+        scale = sum(r + 1 for r in range(size))
+        assert torch.equal(out, torch.arange(2 * size, dtype=torch.float32)[2 * rank : 2 * rank + 2] * scale)
+
+        gathered = [torch.empty(1) for _ in range(size)]
+        dist.all_gather(gathered, torch.tensor([float(rank)]))
+        assert [g.item() for g in gathered] == list(range(size))
+
+        objs = [None] * size
+        dist.all_gather_object(objs, {"rank": rank})
+        assert [o["rank"] for o in objs] == list(range(size))
+        dist.barrier()
+
+    def test_groups(self):
+        rank, size = dist.get_rank(), dist.get_world_size()
+        evens = list(range(0, size, 2))
+        group = dist.new_group(evens)  # every rank must call new_group, members or not
+        if rank in evens:
+            assert dist.get_world_size(group) == len(evens)
+            assert dist.get_global_rank(group, dist.get_rank(group)) == rank
+            t = torch.ones(1)
+            dist.all_reduce(t, group=group)
+            assert t.item() == len(evens)
+        assert dist.get_all_ranks_from_group() == list(range(size))
+        assert deepspeed.utils.groups._get_data_parallel_world_size() == size
+
+    def test_no_future_warnings_from_our_calls(self):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            full = torch.empty(dist.get_world_size())
+            dist.all_gather_into_tensor(full, torch.ones(1))
+            dist.reduce_scatter_tensor(torch.empty(1), torch.ones(dist.get_world_size()))
+
+    def test_init_distributed_is_noop_when_initialized(self):
+        dist.init_distributed(dist_backend="gloo", verbose=False)
+        assert dist.is_initialized()
+
+
+class TestFileInit(DistributedTest):
+    world_size = [2]
+    reuse_dist_env = False
+    init_distributed = False
+
+    def test_file_init(self, tmp_path):
+        rank = int(os.environ["RANK"])
+        dist.init_distributed(
+            dist_backend="gloo", init_method=f"file://{tmp_path}/rendezvous", rank=rank, world_size=2, verbose=False
+        )
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == 2
+        dist.destroy_process_group()
+
+
+class TestDeadPeerTimesOut(DistributedTest):
+    world_size = [2]
+    reuse_dist_env = False
+    init_distributed = False
+
+    def test_missing_rank_becomes_error(self):
+        os.environ["DEEPSPEED_TIMEOUT"] = "0.05"  # 3 seconds
+        dist.init_distributed(dist_backend="gloo", verbose=False)
+        if dist.get_rank() == 0:
+            start = time.monotonic()
+            with pytest.raises(RuntimeError):
+                dist.all_reduce(torch.ones(1))  # rank 1 never joins
+            assert time.monotonic() - start < 60
+        else:
+            time.sleep(8)  # stay alive past rank 0's timeout, without joining
+
+
+def test_single_process_init_without_env(monkeypatch):
+    """A plain script (no launcher env) initializes as rank 0 of 1 in a child process."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["MASTER_PORT"] = str(get_free_port())
+    code = "import deepspeed; deepspeed.init_distributed(verbose=False); import deepspeed.comm as d; print(d.get_rank(), d.get_world_size())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1"]
+
+
+def test_init_distributed_rejects_half_env(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="WORLD_SIZE"):
+        dist.init_distributed(verbose=False)
+
+
+def test_bad_timeout_env(monkeypatch):
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="DEEPSPEED_TIMEOUT='soon'"):
+        dist.default_timeout()
+
+
+# ----------------------------------------------------------------------------- the harness itself
+
+
+class _HarnessCases(DistributedTest):
+    """Not collected (no `Test` prefix): driven by the tests below to check failure reporting."""
+
+    world_size = 2
+    timeout_s = 6
+    reuse_dist_env = False
+
+    def test_hang(self):
+        if dist.get_rank() == 0:
+            time.sleep(60)
+
+    def test_one_rank_raises(self):
+        if dist.get_rank() == 1:
+            raise ValueError("rank one is broken")
+        dist.barrier()  # rank 0 waits for a peer that never comes
+
+
+def test_harness_turns_hang_into_failure_with_stacks():
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        _run_distributed(_HarnessCases, "test_hang", 2, {})
+    text = str(info.value)
+    assert "ranks [0] did not finish" in text and "test_hang" in text
+    assert time.monotonic() - start < 45
+
+
+def test_harness_reports_failing_rank_and_blocked_peer():
+    with pytest.raises(AssertionError) as info:
+        _run_distributed(_HarnessCases, "test_one_rank_raises", 2, {})
+    text = str(info.value)
+    assert "rank 1 raised" in text and "rank one is broken" in text
+    assert "ranks [0] did not finish" in text
