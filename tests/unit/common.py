@@ -93,11 +93,19 @@ def _set_rank_env(rank: int, size: int, port: int) -> None:
     )
 
 
+# Fixtures that cannot cross a process boundary; each rank makes its own for the test.
+_RANK_LOCAL_FIXTURES = ("monkeypatch",)
+
+
 def _run_task(task: tuple) -> None:
     module_name, class_name, method_name, kwargs = task
     cls = getattr(importlib.import_module(module_name), class_name)
     original = cls._ds_originals[method_name]
-    original(cls(), **kwargs)
+    wanted = inspect.signature(original).parameters
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        local = {"monkeypatch": monkeypatch}
+        kwargs = {**kwargs, **{k: v for k, v in local.items() if k in wanted}}
+        original(cls(), **kwargs)
 
 
 def _rank_main(rank, size, port, backend, init_dist, tasks, results, stack_path):
@@ -220,8 +228,8 @@ class _PoolCache:
     def get(self, size: int, backend: str) -> _RankPool:
         key = (size, backend)
         if key not in self.pools:
-            # Keep at most one pool alive: idle ranks of another size still cost memory and CPU.
-            self.close_all()
+            # Pools of every size stay alive (7 idle ranks for sizes 1, 2, 4): pytest runs a
+            # method's sizes back to back, so closing one pool per switch would respawn often.
             self.pools[key] = _RankPool(size, backend, init_dist=True)
         return self.pools[key]
 
@@ -260,13 +268,15 @@ def _run_distributed(cls, method_name: str, size: int, kwargs: dict) -> None:
 def _wrap_method(cls, name: str, fn) -> Any:
     sizes = getattr(fn, "_ds_world_size", None) or cls.world_size
     sizes = [sizes] if isinstance(sizes, int) else list(sizes)
-    params = list(inspect.signature(fn).parameters.values())[1:]  # drop `self`
+    params = [  # drop `self`, and fixtures each rank makes for itself
+        p for p in list(inspect.signature(fn).parameters.values())[1:] if p.name not in _RANK_LOCAL_FIXTURES
+    ]
     ws_param = inspect.Parameter("_ds_world_size", inspect.Parameter.KEYWORD_ONLY)
 
     @functools.wraps(fn)
     def run_on_ranks(self, *args, _ds_world_size: int, **kwargs):
-        bound = inspect.signature(fn).bind(self, *args, **kwargs)
-        call_kwargs = {k: v for k, v in bound.arguments.items() if k != "self"}
+        call_kwargs = dict(zip([p.name for p in params], args))
+        call_kwargs.update(kwargs)
         _run_distributed(type(self), name, _ds_world_size, call_kwargs)
 
     del run_on_ranks.__wrapped__  # pytest must see the wrapper's signature, not the original's

@@ -1,0 +1,282 @@
+"""GatheredParameters: start()/stop() and `with` on spawned gloo groups, against plain runs."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.param_state import ZeroParamStatus
+from tests.unit.common import DistributedTest
+
+VOCAB, NEW_VOCAB, HIDDEN = 13, 17, 6
+
+
+def build_heads(zero3: bool, seed: int = 7):
+    """An old and a new LM head, built under Init when `zero3`."""
+    init = deepspeed.zero.Init(enabled=zero3).start()
+    torch.manual_seed(seed)
+    old = nn.Linear(HIDDEN, VOCAB, bias=True)
+    new = nn.Linear(HIDDEN, NEW_VOCAB, bias=True)
+    init.stop()
+    return old, new
+
+
+def resize_written_once(old, new, zero3: bool):
+    """HF transformers' LM-head copy (the proposal), written once for ZeRO-3 and plain runs.
+
+    Every rank copies; with ZeRO-3, rank 0's result is broadcast (`modifier_rank=0`).
+    """
+    n = min(VOCAB, NEW_VOCAB)
+    params = [old.weight, old.bias, new.weight, new.bias]
+    gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=zero3).start()
+    new.weight.data[:n, :] = old.weight.data[:n, :]
+    new.bias.data[:n] = old.bias.data[:n]
+    gather.stop()
+
+
+def resize_with_block(old, new):
+    """The proposal's ZeRO-3 branch as upstream users write it: only rank 0 edits."""
+    n = min(VOCAB, NEW_VOCAB)
+    with deepspeed.zero.GatheredParameters([old.weight, old.bias, new.weight, new.bias], modifier_rank=0):
+        if dist.get_rank() == 0:
+            new.weight.data[:n, :] = old.weight.data[:n, :]
+            new.bias.data[:n] = old.bias.data[:n]
+
+
+def full_copy(*params):
+    with deepspeed.zero.GatheredParameters(list(params)):
+        return [p.detach().clone() for p in params]
+
+
+class CountingComm:
+    """Counts the facade collectives that ZeRO code calls (STYLE 12)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in ("all_gather_into_tensor", "broadcast", "all_reduce"):
+            original = getattr(dist, name)
+            monkeypatch.setattr(dist, name, self._wrap(name, original))
+
+    def _wrap(self, name, original):
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return original(*args, **kwargs)
+
+        return counted
+
+    def count(self, name):
+        return self.calls.count(name)
+
+
+class TestLmHeadResize(DistributedTest):
+    world_size = [1, 2, 4]
+
+    def test_three_ways_agree(self):
+        plain_old, plain_new = build_heads(zero3=False)
+        resize_written_once(plain_old, plain_new, zero3=False)
+
+        explicit_old, explicit_new = build_heads(zero3=True)
+        resize_written_once(explicit_old, explicit_new, zero3=True)
+
+        with_old, with_new = build_heads(zero3=True)
+        resize_with_block(with_old, with_new)
+
+        for old, new in ((explicit_old, explicit_new), (with_old, with_new)):
+            assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in (old.weight, new.weight))
+            got = full_copy(new.weight, new.bias, old.weight)
+            want = [plain_new.weight, plain_new.bias, plain_old.weight]
+            for g, w in zip(got, want):
+                assert torch.equal(g, w.detach())
+
+    def test_modifier_rank_change_reaches_every_rank(self):
+        _, new = build_heads(zero3=True)
+        last = dist.get_world_size() - 1
+        gather = deepspeed.zero.GatheredParameters(new.weight, modifier_rank=last).start()
+        new.weight.data.fill_(float(dist.get_rank()))  # only rank `last`'s value may survive
+        gather.stop()
+        (weight,) = full_copy(new.weight)
+        assert torch.all(weight == float(last))
+
+
+class TestGatherMechanics(DistributedTest):
+    world_size = [1, 2, 4]
+
+    def test_one_all_gather_per_group_and_dtype(self, monkeypatch):
+        with deepspeed.zero.Init():
+            layers = nn.ModuleList(nn.Linear(3, 5) for _ in range(25))  # 50 parameters
+        with deepspeed.zero.Init(dtype=torch.bfloat16):
+            half = nn.ModuleList(nn.Linear(2, 3) for _ in range(5))
+        counter = CountingComm(monkeypatch)
+        params = list(layers.parameters())
+        assert len(params) == 50
+        with deepspeed.zero.GatheredParameters(params):
+            assert all(p.shape == p.ds_shape for p in params)
+        assert counter.count("all_gather_into_tensor") == 1
+
+        counter.calls.clear()
+        gather = deepspeed.zero.GatheredParameters(params + list(half.parameters())).start()
+        gather.stop()
+        assert counter.count("all_gather_into_tensor") == 2  # fp32 and bf16
+
+        counter.calls.clear()
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            pass
+        assert counter.count("broadcast") == 1  # the write-back is coalesced too
+
+    def test_none_duplicates_and_plain_tensors(self, monkeypatch):
+        with deepspeed.zero.Init():
+            a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+        plain = nn.Parameter(torch.ones(3))
+        gather = deepspeed.zero.GatheredParameters([b.weight, None, a.weight, plain, b.weight, torch.zeros(1)])
+        assert [p.ds_id for p in gather.params] == sorted([a.weight.ds_id, b.weight.ds_id])
+        counter = CountingComm(monkeypatch)
+        with deepspeed.zero.GatheredParameters([plain, None]):  # no ZeRO parameter: no collective
+            plain.data.add_(1)
+        with deepspeed.zero.GatheredParameters(a.weight, enabled=False):
+            assert a.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        assert counter.calls == [] and torch.all(plain == 2)
+
+    def test_exception_in_body_releases_and_propagates(self):
+        with deepspeed.zero.Init():
+            layer = nn.Linear(4, 4)
+        with pytest.raises(ZeroDivisionError):
+            with deepspeed.zero.GatheredParameters(layer.parameters(), modifier_rank=0):
+                layer.weight.data.fill_(3.0)
+                raise ZeroDivisionError("in the body")
+        assert layer.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        assert layer.weight._zero_state.holders == 0
+        (weight,) = full_copy(layer.weight)
+        assert torch.all(weight == 3.0)  # stop() ran its collectives before propagating
+
+        gather = deepspeed.zero.GatheredParameters(layer.weight).start()
+        try:
+            raise KeyError("explicit path")
+        except KeyError:
+            gather.stop()
+        assert layer.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+
+    def test_restart_and_discarded_edits(self):
+        with deepspeed.zero.Init():
+            layer = nn.Linear(3, 3)
+        (before,) = full_copy(layer.weight)
+        gather = deepspeed.zero.GatheredParameters(layer.weight)
+        for _ in range(3):
+            gather.start()
+            assert torch.equal(layer.weight.data, before)
+            layer.weight.data.add_(1.0)  # modifier_rank=None: discarded on stop
+            gather.stop()
+            assert layer.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+
+    def test_async_start(self):
+        with deepspeed.zero.Init():
+            layers = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5))
+        (expected,) = full_copy(layers[1].weight)
+        gather = deepspeed.zero.GatheredParameters(layers.parameters(), modifier_rank=0)
+        assert gather.start(async_op=True) is gather
+        statuses = {p.ds_status for p in layers.parameters()}
+        assert statuses <= {ZeroParamStatus.INFLIGHT, ZeroParamStatus.AVAILABLE}
+        gather.wait()
+        assert all(p.ds_status is ZeroParamStatus.AVAILABLE for p in layers.parameters())
+        assert torch.equal(layers[1].weight.data, expected)
+        gather.stop()
+        # stop() alone also completes an async start
+        again = deepspeed.zero.GatheredParameters(layers.parameters()).start(async_op=True)
+        again.stop()
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in layers.parameters())
+
+    def test_overlapping_holders_are_refcounted(self, monkeypatch):
+        with deepspeed.zero.Init():
+            layer = nn.Linear(4, 2)
+        counter = CountingComm(monkeypatch)
+        reader = deepspeed.zero.GatheredParameters(layer.weight).start()
+        writer = deepspeed.zero.GatheredParameters([layer.weight, layer.bias], modifier_rank=0).start()
+        assert counter.count("all_gather_into_tensor") == 2  # the second gathers only the bias
+        layer.weight.data.fill_(9.0)
+        writer.stop()  # writes back even though `reader` still holds the weight
+        assert layer.weight.ds_status is ZeroParamStatus.AVAILABLE
+        assert layer.bias.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        reader.stop()  # the last holder frees it
+        assert layer.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        (weight,) = full_copy(layer.weight)
+        assert torch.all(weight == 9.0)
+
+        first = deepspeed.zero.GatheredParameters(layer.weight).start(async_op=True)
+        second = deepspeed.zero.GatheredParameters(layer.weight).start()  # waits on first's gather
+        assert layer.weight.ds_status is ZeroParamStatus.AVAILABLE
+        first.stop()
+        second.stop()
+        assert layer.weight._zero_state.holders == 0
+
+    def test_fwd_module_registers_external(self):
+        from deepspeed.runtime.zero.partition_parameters import external_parameters
+
+        with deepspeed.zero.Init():
+            shared = nn.Linear(3, 3)
+            user = nn.Linear(3, 3)
+        with deepspeed.zero.GatheredParameters(shared.weight, fwd_module=user):
+            pass
+        assert [p.ds_id for p in external_parameters(user)] == [shared.weight.ds_id]
+        deepspeed.zero.register_external_parameter(user, shared.bias)
+        assert len(external_parameters(user)) == 2
+        deepspeed.zero.unregister_external_parameter(user, shared.bias)
+        assert len(external_parameters(user)) == 1
+        with pytest.raises(TypeError, match="nn.Module"):
+            deepspeed.zero.register_external_parameter("not a module", shared.bias)
+
+    def test_modifier_rank_out_of_range(self):
+        with deepspeed.zero.Init():
+            layer = nn.Linear(2, 2)
+        ws = dist.get_world_size()
+        with pytest.raises(ValueError, match=f"modifier_rank={ws} is outside"):
+            deepspeed.zero.GatheredParameters(layer.weight, modifier_rank=ws)
+        with pytest.raises(TypeError, match="modifier_rank='0'"):
+            deepspeed.zero.GatheredParameters(layer.weight, modifier_rank="0")
+
+
+class TestSanityChecks(DistributedTest):
+    world_size = [2]
+
+    def test_discarded_edit_detected_on_every_rank(self):
+        cfg = {"zero_optimization": {"stage": 3, "enable_sanity_checks": True}}
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            layer = nn.Linear(3, 3)
+        gather = deepspeed.zero.GatheredParameters(layer.weight).start()
+        if dist.get_rank() == 1:
+            layer.weight.data[0, 0] += 1.0  # only rank 1 edits; every rank must raise
+        with pytest.raises(RuntimeError, match="would discard edits"):
+            gather.stop()
+        assert layer.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        with deepspeed.zero.GatheredParameters(layer.weight):  # untouched: no error
+            pass
+
+
+class TestGatherMisuse:
+    """Single process, no ZeRO: unbalanced calls still raise."""
+
+    def test_unbalanced_calls_raise_when_disabled(self):
+        gather = deepspeed.zero.GatheredParameters(nn.Linear(2, 2).weight, enabled=False)
+        with pytest.raises(RuntimeError, match=r"GatheredParameters\(0 ZeRO params.*stop\(\).*never started"):
+            gather.stop()
+        gather.start()
+        with pytest.raises(RuntimeError, match="already active"):
+            gather.start()
+        gather.stop()
+        with pytest.raises(RuntimeError, match="not active"):
+            gather.wait()
+        with pytest.raises(TypeError, match="got int"):
+            deepspeed.zero.GatheredParameters(3)
+
+    def test_leak_warning(self):
+        def leak():
+            deepspeed.zero.GatheredParameters(None).start()  # dropped without stop()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            leak()
+            gc.collect()
+        messages = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+        assert messages and "in leak" in messages[0] and "without stop()" in messages[0]
