@@ -1,0 +1,232 @@
+"""The `deepspeed` launcher: rank environment and arguments, failure handling, bad options.
+
+End-to-end tests run the real launcher in a subprocess with `--num_procs`, which keeps torch
+out of the launcher, on a helper script that does not import torch either, so each run
+costs a fraction of a second.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deepspeed.launcher import launch, runner
+from tests.unit.common import get_free_port
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "launcher_scripts")
+RANK_SCRIPT = os.path.join(SCRIPTS, "rank_script.py")
+RUN_TIMEOUT_S = 60
+DIST_ENVS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def launcher_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "deepspeed.launcher.runner", *args]
+
+
+def clean_env() -> dict:
+    """The test process's environment without any rank variables of its own."""
+    return {k: v for k, v in os.environ.items() if k not in DIST_ENVS}
+
+
+def run_launcher(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        launcher_cmd(*args), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=clean_env(), cwd=cwd
+    )
+
+
+def reports(stdout: str) -> dict[int, dict]:
+    by_rank = {}
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            report = json.loads(line)
+            by_rank[int(report["RANK"])] = report
+    return by_rank
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_two_ranks_get_env_and_local_rank():
+    port = str(get_free_port())
+    result = run_launcher(
+        "--num_procs", "2", "--master_port", port, RANK_SCRIPT, "--mode", "report", "--x", "1"
+    )
+    assert result.returncode == 0, result.stderr
+    got = reports(result.stdout)
+    assert sorted(got) == [0, 1]
+    for rank, report in got.items():
+        assert report["LOCAL_RANK"] == str(rank)
+        assert report["WORLD_SIZE"] == report["LOCAL_WORLD_SIZE"] == "2"
+        assert report["MASTER_ADDR"] == "127.0.0.1"
+        assert report["MASTER_PORT"] == port
+        assert report["local_rank_arg"] == rank
+        # upstream order: --local_rank first, then the user's arguments untouched
+        assert report["argv"] == [f"--local_rank={rank}", "--mode", "report", "--x", "1"]
+
+
+def test_module_and_per_rank_logs(tmp_path):
+    log_dir = tmp_path / "logs"
+    args = ["--num_procs", "2", "--enable_each_rank_log", str(log_dir), "--master_addr", "localhost"]
+    result = run_launcher(*args, "--module", "rank_script", "--mode", "report", cwd=SCRIPTS)
+    assert result.returncode == 0, result.stderr
+    assert reports(result.stdout) == {}  # the ranks wrote to their logs instead
+    for rank in (0, 1):
+        (report,) = reports((log_dir / f"rank{rank}.log").read_text()).values()
+        assert report["RANK"] == str(rank)
+        assert report["MASTER_ADDR"] == "localhost"
+
+
+def test_no_python_and_no_local_rank():
+    args = ["--num_procs", "2", "--no_python", "--no_local_rank", sys.executable, RANK_SCRIPT]
+    result = run_launcher(*args, "--mode", "report")
+    assert result.returncode == 0, result.stderr
+    got = reports(result.stdout)
+    assert sorted(got) == [0, 1]
+    assert all(r["local_rank_arg"] is None and r["argv"] == ["--mode", "report"] for r in got.values())
+
+
+def test_default_is_one_rank_on_cpu(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    result = run_launcher("--hostfile", "/nonexistent/hostfile", RANK_SCRIPT, "--mode", "report")
+    assert result.returncode == 0, result.stderr
+    assert reports(result.stdout)[0]["WORLD_SIZE"] == "1"
+
+
+def test_failing_rank_ends_the_job_promptly(tmp_path):
+    start = time.monotonic()
+    result = run_launcher("--num_procs", "2", RANK_SCRIPT, "--mode", "fail", "--dir", str(tmp_path))
+    elapsed = time.monotonic() - start
+    assert result.returncode == 3, result.stderr
+    assert elapsed < 30, f"the launcher took {elapsed:.1f}s; the sleeping rank was not terminated"
+    sleeper = int((tmp_path / "rank0.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(sleeper, 0)
+
+
+def test_sigterm_is_forwarded_to_ranks(tmp_path):
+    proc = subprocess.Popen(
+        launcher_cmd("--num_procs", "2", RANK_SCRIPT, "--mode", "sigterm", "--dir", str(tmp_path)),
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not all((tmp_path / f"rank{r}.ready").exists() for r in (0, 1)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the ranks never became ready"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.got").read_text() == str(int(signal.SIGTERM))
+
+
+# ----------------------------------------------------------------------------- bad command lines
+
+BAD_ARGS = [
+    (["--num_nodes", "2"], "only local"),
+    (["--force_multi"], "only local"),
+    (["--node_rank", "1"], "only local"),
+    (["--include", "worker-1:0"], "remote hosts ['worker-1']"),
+    (["--include", "localhost:0", "--exclude", "localhost:1"], "mutually exclusive"),
+    (["--num_procs", "2", "--include", "localhost:0"], "cannot be combined"),
+    (["--include", "localhost:5"], "names devices [5]"),
+    (["--exclude", "localhost"], "leaves no devices"),
+    (["--launcher", "foo"], "--launcher 'foo' is unknown"),
+    (["--elastic_training"], "elastic training is not supported"),
+    (["--autotuning", "tune"], "--autotuning is not supported"),
+    (["--num_procs", "0"], "must be a positive number"),
+    (["--bind_core_list", "0-1", "--num_procs", "3"], "fewer cores than ranks"),
+    (["--bind_core_list", "a-b"], "bad core list"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_args_give_clear_errors(args, message, capsys, tmp_path):
+    hostfile = tmp_path / "hostfile"  # fixes the local device count, whatever the machine has
+    hostfile.write_text("localhost slots=2\n")
+    with pytest.raises(SystemExit) as exc:
+        runner.main(["--hostfile", str(hostfile), *args, RANK_SCRIPT])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "deepspeed: error:" in err and message in err, err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["/nonexistent/train.py"], "does not exist"),
+        (["--module", "--no_python", "pkg"], "mutually exclusive"),
+    ],
+)
+def test_bad_script_gives_clear_error(args, message, capsys):
+    with pytest.raises(SystemExit):
+        runner.main(args)
+    assert message in capsys.readouterr().err
+
+
+def test_multi_host_hostfile_is_refused(tmp_path, capsys):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    with pytest.raises(SystemExit):
+        runner.main(["--hostfile", str(hostfile), RANK_SCRIPT])
+    assert "hostfile" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def test_local_hostfile_and_include_exclude(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# one local host\nlocalhost slots=4\n")
+    parse = runner.parse_args
+    assert runner.resolve_device_ids(parse(["-H", str(hostfile), "x.py"])) == ([0, 1, 2, 3], False)
+    assert runner.resolve_device_ids(parse(["-H", str(hostfile), "-i", "localhost:0,2", "x.py"])) == (
+        [0, 2],
+        True,
+    )
+    assert runner.resolve_device_ids(parse(["-H", str(hostfile), "-e", "localhost:1", "x.py"])) == (
+        [0, 2, 3],
+        True,
+    )
+    assert runner.resolve_device_ids(parse(["-H", str(hostfile), "--num_gpus", "2", "x.py"])) == (
+        [0, 1],
+        False,
+    )
+
+
+def test_core_lists():
+    assert launch.parse_core_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert launch.split_cores([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="bad core list"):
+        launch.parse_core_list("3-1")
+
+
+def test_rank_command_and_env():
+    spec = launch.LaunchSpec(user_script="train.py", user_args=["--lr", "1"], num_procs=4, master_port=1234)
+    assert launch.rank_command(spec, 2) == [sys.executable, "-u", "train.py", "--local_rank=2", "--lr", "1"]
+    env = launch.rank_env(spec, 2, base_env={"PATH": "/bin", "RANK": "9"})
+    assert env["PATH"] == "/bin"
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("2", "2", "4", "1234")
+    bound = launch.LaunchSpec(user_script="m", module=True, rank_cores=[[0], [1, 2]], num_procs=2)
+    assert launch.rank_command(bound, 1)[2:4] == ["-m", "m"]
+    assert launch.rank_env(bound, 1, base_env={})["OMP_NUM_THREADS"] == "2"
