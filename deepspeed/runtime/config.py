@@ -1,0 +1,687 @@
+"""`DeepSpeedConfig`: the whole DeepSpeed JSON config, typed, checked and flattened.
+
+The JSON layout and key names are upstream DeepSpeed 0.19's. Every known top-level key is a
+field of `DeepSpeedRootConfig`; the sections that this package accepts but does not act on
+(monitors, profilers, compression, ...) are kept as free-form dicts so that published configs
+validate unchanged, while a misspelt key anywhere is an error naming the closest valid ones.
+
+`DeepSpeedConfig` adds what needs more than one key at a time: the batch-size identity
+``train_batch_size = micro * accumulation * world_size``, and upstream's flat attributes
+(`fp16_enabled`, `zero_optimization_stage`, ...) that engines and clients read.
+
+[Note: "auto" values]
+HF transformers and accelerate configs use the string "auto" as a placeholder that their
+integration replaces before `deepspeed.initialize`. One left over is a bug, so by default it
+raises. Two exceptions exist upstream and are kept through ``strict=False``: HF enters
+`zero.Init` *before* it fills the model-dependent entries (``reduce_bucket_size``,
+``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``, scheduler steps),
+and upstream's typed sections drop "auto" in favour of the default. `zero.Init`, which does
+not train, builds its config with ``strict=False``.
+"""
+
+import base64
+import binascii
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Literal, Optional, Union
+
+import torch
+from pydantic import AliasChoices, Field, field_validator, model_validator
+
+from deepspeed.runtime.config_utils import (
+    DeepSpeedConfigError,
+    DeepSpeedConfigModel,
+    parse_section,
+    reject_auto_values,
+    strip_auto_values,
+)
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum, legacy_zero_value
+from deepspeed.utils.logging import logger as ds_logger
+
+__all__ = [
+    "DeepSpeedBF16Config",
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
+    "DeepSpeedFP16Config",
+    "DeepSpeedOptimizerConfig",
+    "DeepSpeedRootConfig",
+    "DeepSpeedSchedulerConfig",
+    "load_config_dict",
+    "resolve_batch_sizes",
+]
+
+# Optimizer names DeepSpeed itself knows; matched case-insensitively and stored lower-case.
+# Any other name is kept as written, so an engine can look it up in `torch.optim`.
+DEEPSPEED_OPTIMIZERS = (
+    "adam",
+    "adamw",
+    "sgd",
+    "adagrad",
+    "lamb",
+    "lion",
+    "muon",
+    "onebitadam",
+    "onebitlamb",
+    "zerooneadam",
+    "muadam",
+    "muadamw",
+    "musgd",
+    "fusedadam",
+    "fusedlamb",
+    "fusedlion",
+    "cpuadam",
+    "cpuadagrad",
+    "cpulion",
+    "deepspeedcpuadam",
+)
+
+_COMM_DTYPES = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfp16": torch.bfloat16,  # upstream's historical spelling
+}
+_COMM_DTYPE_SYNONYMS = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+
+FreeForm = Optional[dict[str, Any]]
+
+
+class DeepSpeedFP16Config(DeepSpeedConfigModel):
+    """`fp16`: train in float16 with a (by default dynamic) loss scale."""
+
+    enabled: bool = False
+    """Train with float16 parameters and activations."""
+
+    auto_cast: bool = False
+    """Cast floating-point inputs of the model's forward to float16."""
+
+    loss_scale: float = Field(0.0, ge=0.0)
+    """Static loss scale; 0 selects dynamic loss scaling."""
+
+    initial_scale_power: int = Field(16, ge=0)
+    """Dynamic scaling starts at 2**initial_scale_power."""
+
+    loss_scale_window: int = Field(1000, gt=0)
+    """Overflow-free steps before the dynamic scale is raised."""
+
+    hysteresis: int = Field(2, ge=1)
+    """Overflows tolerated before the dynamic scale is lowered (upstream `delayed_shift`)."""
+
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every overflow-free step."""
+
+    min_loss_scale: float = Field(1.0, gt=0.0)
+    """The dynamic scale never drops below this."""
+
+    fp16_master_weights_and_grads: bool = False
+    """Keep master weights and gradients in float16 too (upstream, CPU-offload Adam only)."""
+
+
+class DeepSpeedBF16Config(DeepSpeedConfigModel):
+    """`bf16` (also spelt `bfloat16`): train in bfloat16; no loss scaling is needed."""
+
+    enabled: bool = False
+    """Train with bfloat16 parameters and activations."""
+
+    immediate_grad_update: bool = False
+    """Upstream: apply gradients to the fp32 copy as they arrive; accepted, not acted on."""
+
+    check_grad_overflow: bool = False
+    """Upstream: check bfloat16 gradients for inf/nan; accepted, not acted on."""
+
+
+class DeepSpeedOptimizerConfig(DeepSpeedConfigModel):
+    """`optimizer`: which optimizer the engine builds when the client passes none."""
+
+    type: Optional[str] = None
+    """Optimizer name, case-insensitive for DeepSpeed's own (Adam, AdamW, Lamb, OneBitAdam, ...)."""
+
+    params: FreeForm = None
+    """Keyword arguments for the optimizer (lr, betas, eps, weight_decay, torch_adam, ...)."""
+
+    legacy_fusion: bool = False
+    """Upstream's old fused fp16 optimizer path; accepted, not acted on."""
+
+
+class DeepSpeedSchedulerConfig(DeepSpeedConfigModel):
+    """`scheduler`: the learning-rate schedule the engine builds when the client passes none."""
+
+    type: Optional[str] = None
+    """Scheduler name, e.g. WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest."""
+
+    params: FreeForm = None
+    """Keyword arguments for the scheduler (warmup_min_lr, warmup_max_lr, warmup_num_steps, ...)."""
+
+
+class DeepSpeedRootConfig(DeepSpeedConfigModel):
+    """Every top-level key of a DeepSpeed JSON config; unknown keys are errors."""
+
+    train_batch_size: Optional[int] = Field(None, gt=0)
+    """Samples per optimizer step over all ranks: micro batch * accumulation steps * world size."""
+
+    train_micro_batch_size_per_gpu: Optional[int] = Field(None, gt=0)
+    """Samples per forward/backward pass on one rank."""
+
+    gradient_accumulation_steps: Optional[int] = Field(None, gt=0)
+    """Forward/backward passes whose gradients are summed before one optimizer step."""
+
+    steps_per_print: Union[int, float] = 10
+    """Log progress every this many optimizer steps; accelerate sets it to infinity to silence it."""
+
+    gradient_clipping: float = Field(0.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+
+    prescale_gradients: bool = False
+    """Divide gradients by the world size before the all-reduce rather than after."""
+
+    gradient_predivide_factor: float = Field(1.0, gt=0.0)
+    """Divide gradients by this before the reduction and by world_size / factor after it."""
+
+    sparse_gradients: bool = False
+    """Reduce `torch.nn.Embedding` gradients as sparse tensors (stage 0 only)."""
+
+    communication_data_type: Optional[Literal["fp32", "fp16", "bf16", "bfp16"]] = None
+    """Data type of gradient reductions; unset means the training dtype."""
+
+    seq_parallel_communication_data_type: Literal["fp32", "fp16", "bf16", "bfp16"] = "fp32"
+    """Data type of sequence-parallel collectives."""
+
+    fp16: DeepSpeedFP16Config = Field(default_factory=DeepSpeedFP16Config)
+    """float16 training and loss scaling (`DeepSpeedFP16Config`)."""
+
+    bf16: DeepSpeedBF16Config = Field(
+        default_factory=DeepSpeedBF16Config, validation_alias=AliasChoices("bf16", "bfloat16")
+    )
+    """bfloat16 training (`DeepSpeedBF16Config`); the old key `bfloat16` is accepted."""
+
+    optimizer: Optional[DeepSpeedOptimizerConfig] = None
+    """The optimizer the engine builds when the client passes none."""
+
+    scheduler: Optional[DeepSpeedSchedulerConfig] = None
+    """The learning-rate scheduler the engine builds when the client passes none."""
+
+    zero_optimization: DeepSpeedZeroConfig = Field(default_factory=DeepSpeedZeroConfig)
+    """ZeRO settings (`DeepSpeedZeroConfig`); absent means stage 0."""
+
+    zero_allow_untested_optimizer: bool = False
+    """Allow ZeRO with a client optimizer that DeepSpeed has not tested."""
+
+    zero_force_ds_cpu_optimizer: bool = True
+    """With optimizer offload, require DeepSpeed's CPU optimizer rather than the client's."""
+
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step and log the breakdown."""
+
+    memory_breakdown: bool = False
+    """Log memory use at points during training."""
+
+    dump_state: bool = False
+    """Print the engine state after initialisation."""
+
+    disable_allgather: bool = False
+    """Upstream stage-1/2 option; accepted, not acted on."""
+
+    fp32_allreduce: bool = False
+    """Upstream: all-reduce gradients in fp32; accepted, not acted on."""
+
+    graph_harvesting: bool = False
+    """Upstream: capture the step as an accelerator graph; accepted, not acted on."""
+
+    use_node_local_storage: bool = False
+    """Checkpoint files live on storage local to each node (upstream's legacy top-level key)."""
+
+    load_universal_checkpoint: bool = False
+    """Load a universal checkpoint (upstream's legacy top-level key)."""
+
+    dataloader_drop_last: bool = False
+    """Drop the last incomplete batch of the engine-built data loader."""
+
+    use_data_before_expert_parallelism: bool = False
+    """Upstream MoE group layout option; accepted, not acted on."""
+
+    sequence_parallel_size: int = Field(1, ge=1)
+    """Ranks that split one sequence (Ulysses); accepted, not acted on."""
+
+    checkpoint: FreeForm = None
+    """Checkpoint options (tag_validation, load_universal, use_node_local_storage, ...); free-form."""
+
+    data_types: FreeForm = None
+    """Data type options such as ``grad_accum_dtype``; free-form."""
+
+    amp: FreeForm = None
+    """NVIDIA Apex AMP settings; accepted, not acted on."""
+
+    activation_checkpointing: FreeForm = None
+    """Activation checkpointing settings; accepted, not acted on."""
+
+    flops_profiler: FreeForm = None
+    """FLOPs profiler settings; accepted, not acted on."""
+
+    tensorboard: FreeForm = None
+    """TensorBoard monitor settings; accepted, not acted on."""
+
+    wandb: FreeForm = None
+    """Weights & Biases monitor settings; accepted, not acted on."""
+
+    csv_monitor: FreeForm = None
+    """CSV monitor settings; accepted, not acted on."""
+
+    comet: FreeForm = None
+    """Comet monitor settings; accepted, not acted on."""
+
+    monitor_config: FreeForm = None
+    """Monitor settings in one block; accepted, not acted on."""
+
+    comms_logger: FreeForm = None
+    """Communication logger settings; accepted, not acted on."""
+
+    aio: FreeForm = None
+    """Async I/O settings for NVMe offload; accepted, not acted on."""
+
+    elasticity: FreeForm = None
+    """Elastic training settings; accepted, not acted on."""
+
+    pipeline: FreeForm = None
+    """Pipeline-parallel engine settings; accepted, not acted on."""
+
+    autotuning: FreeForm = None
+    """Autotuner settings; accepted, not acted on."""
+
+    compile: FreeForm = None
+    """`torch.compile` / DeepCompile settings; accepted, not acted on."""
+
+    nebula: FreeForm = None
+    """Nebula checkpoint service settings; accepted, not acted on."""
+
+    compression_training: FreeForm = None
+    """Compression (quantisation, pruning) training settings; accepted, not acted on."""
+
+    data_efficiency: FreeForm = None
+    """Data efficiency (sampling, routing) settings; accepted, not acted on."""
+
+    curriculum_learning: FreeForm = None
+    """Legacy curriculum learning settings; accepted, not acted on."""
+
+    weight_quantization: FreeForm = None
+    """Post-training weight quantisation settings; accepted, not acted on."""
+
+    hybrid_engine: FreeForm = None
+    """RLHF hybrid engine settings; accepted, not acted on."""
+
+    eigenvalue: FreeForm = None
+    """Eigenvalue computation settings; accepted, not acted on."""
+
+    progressive_layer_drop: FreeForm = None
+    """Progressive layer drop settings; accepted, not acted on."""
+
+    quantize_training: FreeForm = None
+    """Quantisation-aware training settings; accepted, not acted on."""
+
+    sparse_attention: FreeForm = None
+    """Sparse attention settings; accepted, not acted on."""
+
+    timers: FreeForm = None
+    """Engine timer settings; accepted, not acted on."""
+
+    torch_autocast: FreeForm = None
+    """Upstream `torch.autocast` mixed-precision settings; accepted, not acted on."""
+
+    tensor_parallel: FreeForm = None
+    """Upstream AutoTP training settings; accepted, not acted on."""
+
+    @field_validator("zero_optimization", mode="before")
+    @classmethod
+    def _legacy_zero(cls, value: Any) -> Any:
+        return legacy_zero_value(value)
+
+    @field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")
+    @classmethod
+    def _normalise_dtype_name(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.lower()
+            return _COMM_DTYPE_SYNONYMS.get(value, value)
+        return value
+
+    @field_validator("steps_per_print", mode="after")
+    @classmethod
+    def _check_steps_per_print(cls, value: Union[int, float]) -> Union[int, float]:
+        # A float is fine when it is whole (10.0) or infinite (accelerate's "never print").
+        if isinstance(value, float) and value != float("inf"):
+            if not value.is_integer():
+                raise ValueError(f"must be a whole number or infinity, got {value}")
+            value = int(value)
+        if value < 1:
+            raise ValueError(f"must be at least 1, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_precision(self) -> "DeepSpeedRootConfig":
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        amp_on = bool((self.amp or {}).get("enabled", False))
+        if amp_on and (self.fp16.enabled or self.bf16.enabled):
+            precision = "fp16" if self.fp16.enabled else "bf16"
+            raise ValueError(f"amp.enabled and {precision}.enabled are both true; enable at most one of them")
+        return self
+
+
+# ----------------------------------------------------------------------------------------
+# Loading
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.load keeps the last of two equal keys silently; upstream rejects them, and so do we.
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise DeepSpeedConfigError(f"duplicate key {key!r} in DeepSpeed config")
+        result[key] = value
+    return result
+
+
+def _read_json_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f, object_pairs_hook=_reject_duplicate_keys)
+    except json.JSONDecodeError as err:
+        raise DeepSpeedConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {err}") from None
+    except DeepSpeedConfigError as err:
+        raise DeepSpeedConfigError(f"DeepSpeed config file {path!r}: {err}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DeepSpeedConfigError(f"cannot read DeepSpeed config file {path!r}: {err}") from None
+    if not isinstance(data, dict):
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config file {path!r} must hold a JSON object, got {type(data).__name__}"
+        )
+    return data
+
+
+def _decode_base64_json(text: str) -> Optional[dict[str, Any]]:
+    """The dict encoded in `text` (the launcher passes configs this way), or None."""
+    for altchars in (None, b"-_"):  # standard, then URL-safe alphabet
+        try:
+            raw = base64.b64decode(text, altchars=altchars, validate=True)
+            data = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
+        except (binascii.Error, ValueError):
+            continue
+        if isinstance(data, dict):
+            return data
+    return None
+
+
+def load_config_dict(config: Any) -> dict[str, Any]:
+    """The config as a dict: `config` itself, a JSON file's contents, or decoded base64 JSON."""
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isfile(path):
+            return _read_json_file(path)
+        if isinstance(config, str) and not os.path.exists(path):
+            decoded = _decode_base64_json(config)
+            if decoded is not None:
+                return decoded
+        shown = path if len(path) <= 200 else path[:200] + "..."
+        kind = "is a directory, not a JSON file" if os.path.isdir(path) else "does not exist"
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config path {shown!r} {kind} (resolved to {os.path.abspath(path)!r}) "
+            "and is not base64-encoded JSON either; pass a dict, a JSON file path or base64 JSON"
+        )
+    raise DeepSpeedConfigError(
+        f"DeepSpeed config must be a dict, a JSON file path or base64 JSON, got {type(config).__name__}"
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Batch sizes
+
+
+def _divide(total: int, by: int, names: str, given: str) -> int:
+    if total % by != 0:
+        raise DeepSpeedConfigError(
+            f"Invalid DeepSpeed batch sizes ({given}): train_batch_size is not divisible by {names} = {by}"
+        )
+    return total // by
+
+
+def resolve_batch_sizes(
+    train: Optional[int], micro: Optional[int], gas: Optional[int], world_size: int
+) -> tuple[int, int, int]:
+    """Fill in the missing ones of (train_batch_size, micro batch, accumulation steps).
+
+    They must satisfy ``train == micro * gas * world_size``. With only one given, the
+    accumulation steps default to 1 (and with only `gas`, the micro batch does).
+    """
+    given = (
+        f"train_batch_size={train}, train_micro_batch_size_per_gpu={micro}, "
+        f"gradient_accumulation_steps={gas}, world_size={world_size}"
+    )
+    if train is None and micro is None and gas is None:
+        raise DeepSpeedConfigError(
+            "Invalid DeepSpeed config: set train_batch_size or train_micro_batch_size_per_gpu "
+            "(and optionally gradient_accumulation_steps)"
+        )
+    if train is None:
+        micro, gas = micro or 1, gas or 1
+        train = micro * gas * world_size
+    elif micro is None:
+        gas = gas or 1
+        micro = _divide(train, gas * world_size, "gradient_accumulation_steps * world_size", given)
+    elif gas is None:
+        gas = _divide(train, micro * world_size, "train_micro_batch_size_per_gpu * world_size", given)
+    if train != micro * gas * world_size:
+        raise DeepSpeedConfigError(
+            f"Invalid DeepSpeed batch sizes ({given}): train_batch_size must equal "
+            f"train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size = "
+            f"{micro} * {gas} * {world_size} = {micro * gas * world_size}"
+        )
+    return train, micro, gas
+
+
+def _resolve_world_size(world_size: Optional[int], mpu: Any, mesh_device: Any) -> int:
+    """Data-parallel world size: argument, then mpu, then device mesh, then $WORLD_SIZE, then 1.
+
+    Read without torch.distributed: only the comm layer may import it.
+    """
+    if world_size is None and mpu is not None and hasattr(mpu, "get_data_parallel_world_size"):
+        world_size = mpu.get_data_parallel_world_size()
+    if world_size is None and mesh_device is not None:
+        names = tuple(getattr(mesh_device, "mesh_dim_names", None) or ())
+        if "data_parallel" in names:
+            world_size = mesh_device.size(names.index("data_parallel"))
+    if world_size is None:
+        world_size = os.environ.get("WORLD_SIZE", 1)
+    try:
+        value = int(world_size)
+    except (TypeError, ValueError):
+        raise DeepSpeedConfigError(f"world_size must be a positive integer, got {world_size!r}") from None
+    if value < 1:
+        raise DeepSpeedConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------
+# The config object engines read
+
+
+class DeepSpeedConfig:
+    """A parsed DeepSpeed config with upstream's flat attributes.
+
+    `config` is a dict, a path to a JSON file, or base64-encoded JSON. `world_size` is the
+    data-parallel size used by the batch-size identity; unset, it comes from `mpu`, then
+    `mesh_device`, then ``$WORLD_SIZE``, then 1. With ``strict=False`` (for `zero.Init`),
+    "auto" placeholders fall back to defaults and missing batch sizes default to 1; see
+    [Note: "auto" values] at the top of this file.
+    """
+
+    _param_dict: dict[str, Any]  # the dict as given (or as loaded); never modified
+    typed_config: DeepSpeedRootConfig  # every section, validated
+    world_size: int  # data-parallel ranks
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    zero_config: DeepSpeedZeroConfig
+    zero_optimization_stage: int
+    zero_enabled: bool
+    fp16_enabled: bool
+    bfloat16_enabled: bool
+    loss_scale: float
+    initial_dynamic_scale: float
+    dynamic_loss_scale_args: Optional[dict[str, Any]]  # None when the loss scale is static
+    optimizer_name: Optional[str]  # lower-case for DeepSpeed's own names
+    optimizer_params: Optional[dict[str, Any]]
+    scheduler_name: Optional[str]
+    scheduler_params: Optional[dict[str, Any]]
+
+    def __init__(
+        self,
+        config: Any,
+        mpu: Any = None,
+        mesh_device: Any = None,
+        world_size: Optional[int] = None,
+        *,
+        strict: bool = True,
+    ) -> None:
+        self._param_dict = load_config_dict(config)
+        self.mpu = mpu
+        self.mesh_device = mesh_device
+        self.strict = strict
+        self.world_size = _resolve_world_size(world_size, mpu, mesh_device)
+        if strict:
+            reject_auto_values(self._param_dict)
+            data = self._param_dict
+        else:
+            data = strip_auto_values(self._param_dict)
+        self.typed_config = parse_section(DeepSpeedRootConfig, data)
+        self._set_batch_sizes()
+        self._set_precision_attributes()
+        self._set_other_attributes()
+
+    def _set_batch_sizes(self) -> None:
+        typed = self.typed_config
+        train = typed.train_batch_size
+        micro = typed.train_micro_batch_size_per_gpu
+        gas = typed.gradient_accumulation_steps
+        if not self.strict and train is None and micro is None and gas is None:
+            micro = 1  # zero.Init does not train; upstream would refuse here
+        train, micro, gas = resolve_batch_sizes(train, micro, gas, self.world_size)
+        self.train_batch_size = train
+        self.train_micro_batch_size_per_gpu = micro
+        self.gradient_accumulation_steps = gas
+
+    def _set_precision_attributes(self) -> None:
+        fp16, bf16 = self.typed_config.fp16, self.typed_config.bf16
+        self.fp16_enabled = fp16.enabled
+        self.bfloat16_enabled = bf16.enabled
+        self.fp16_auto_cast = fp16.auto_cast if fp16.enabled else False
+        self.fp16_master_weights_and_grads = fp16.fp16_master_weights_and_grads
+        self.bfloat16_immediate_grad_update = bf16.immediate_grad_update
+        self.bfloat16_check_grad_overflow = bf16.check_grad_overflow
+        # Upstream's values when fp16 is off: bf16 needs no scaling (1), plain fp32 reports 0.
+        if fp16.enabled:
+            self.loss_scale = fp16.loss_scale
+            self.initial_dynamic_scale = 2**fp16.initial_scale_power
+        else:
+            self.loss_scale = 1.0 if bf16.enabled else 0.0
+            self.initial_dynamic_scale = 1 if bf16.enabled else 2**16
+        self.dynamic_loss_scale_args = None
+        if fp16.enabled and fp16.loss_scale == 0:
+            self.dynamic_loss_scale_args = {
+                "init_scale": 2**fp16.initial_scale_power,
+                "scale_window": fp16.loss_scale_window,
+                "delayed_shift": fp16.hysteresis,
+                "consecutive_hysteresis": fp16.consecutive_hysteresis,
+                "min_scale": fp16.min_loss_scale,
+            }
+        amp = self.typed_config.amp or {}
+        self.amp_enabled = bool(amp.get("enabled", False))
+        self.amp_params = {k: v for k, v in amp.items() if k != "enabled"} if self.amp_enabled else None
+
+    @property
+    def bf16_enabled(self) -> bool:
+        """Alias of `bfloat16_enabled`."""
+        return self.bfloat16_enabled
+
+    def _set_other_attributes(self) -> None:
+        typed = self.typed_config
+        self.zero_config = typed.zero_optimization
+        self.zero_optimization_stage = int(self.zero_config.stage)
+        self.zero_enabled = self.zero_config.stage > ZeroStageEnum.disabled
+        self.gradient_clipping = typed.gradient_clipping
+        self.steps_per_print = typed.steps_per_print
+        optimizer, scheduler = typed.optimizer, typed.scheduler
+        self.optimizer_name = _normalise_optimizer_name(optimizer.type if optimizer else None)
+        self.optimizer_params = optimizer.params if optimizer else None
+        self.optimizer_legacy_fusion = optimizer.legacy_fusion if optimizer else False
+        self.scheduler_name = scheduler.type if scheduler else None
+        self.scheduler_params = scheduler.params if scheduler else None
+        self.communication_data_type = _comm_dtype(typed.communication_data_type)
+        self.seq_parallel_communication_data_type = _comm_dtype(typed.seq_parallel_communication_data_type)
+        for name in (
+            "wall_clock_breakdown",
+            "memory_breakdown",
+            "dump_state",
+            "prescale_gradients",
+            "gradient_predivide_factor",
+            "zero_allow_untested_optimizer",
+            "zero_force_ds_cpu_optimizer",
+            "disable_allgather",
+            "graph_harvesting",
+            "dataloader_drop_last",
+        ):
+            setattr(self, name, getattr(typed, name))
+        self.sparse_gradients_enabled = typed.sparse_gradients
+        self.checkpoint_config = dict(typed.checkpoint or {})
+        self.data_types = dict(typed.data_types or {})
+        self.grad_accum_dtype = self.data_types.get("grad_accum_dtype")
+        self.load_universal_checkpoint = typed.load_universal_checkpoint or bool(
+            self.checkpoint_config.get("load_universal", False)
+        )
+        self.use_node_local_storage = typed.use_node_local_storage or bool(
+            self.checkpoint_config.get("use_node_local_storage", False)
+        )
+
+    # ------------------------------------------------------------------------------------
+
+    def _attribute_items(self) -> list[tuple[str, Any]]:
+        hidden = {"_param_dict", "typed_config", "mpu", "mesh_device"}
+        items = [(k, v) for k, v in vars(self).items() if k not in hidden]
+        items.append(("bf16_enabled", self.bf16_enabled))
+        return sorted(items)
+
+    def describe(self, name: str = "DeepSpeedConfig") -> str:
+        """Every attribute on its own line, then the JSON as given: what `print` logs."""
+        width = max(len(key) for key, _ in self._attribute_items()) + 2
+        lines = [f"{name}:"]
+        lines.extend(
+            f"  {key} {'.' * (width - len(key))} {value!r}" for key, value in self._attribute_items()
+        )
+        lines.append(f"  json = {json.dumps(self._param_dict, sort_keys=True, indent=4, default=str)}")
+        return "\n".join(lines)
+
+    def print(self, name: str) -> None:
+        """Log `describe(name)` at INFO on the package logger (upstream's method name)."""
+        ds_logger.info(self.describe(name))
+
+    def __repr__(self) -> str:
+        precision = "fp16" if self.fp16_enabled else "bf16" if self.bfloat16_enabled else "fp32"
+        return (
+            f"DeepSpeedConfig(train_batch_size={self.train_batch_size}, "
+            f"train_micro_batch_size_per_gpu={self.train_micro_batch_size_per_gpu}, "
+            f"gradient_accumulation_steps={self.gradient_accumulation_steps}, "
+            f"world_size={self.world_size}, zero_stage={self.zero_optimization_stage}, "
+            f"precision={precision}, optimizer={self.optimizer_name!r}, scheduler={self.scheduler_name!r})"
+        )
+
+
+def _normalise_optimizer_name(name: Optional[str]) -> Optional[str]:
+    if name is None:
+        return None
+    return name.lower() if name.lower() in DEEPSPEED_OPTIMIZERS else name
+
+
+def _comm_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    return None if name is None else _COMM_DTYPES[name]

@@ -1,0 +1,348 @@
+"""The pydantic base for every typed config section, and readable errors for bad input.
+
+Three jobs live here, shared by `zero/config.py`, `zero/offload_config.py` and `config.py`:
+
+- `DeepSpeedConfigModel`: strict (`extra="forbid"`) models that accept a field by its name or
+  by its upstream JSON alias, and re-validate on assignment.
+- Deprecated keys: a class lists old spellings in `_deprecated_keys`; they are rewritten to the
+  new field before validation, with a warning on the ``deepspeed`` logger.
+- `validation_error_to_value_error`: turns pydantic's `ValidationError` into one `ValueError`
+  that names the full dotted key, the value given, and what is allowed.
+
+[Note: why deprecated keys are not fields]
+Upstream keeps old spellings as real fields and copies them over after validation. Here they
+are rewritten before validation, so a model has exactly one attribute per option and the
+old name never shows up as a stale attribute with a different value.
+"""
+
+import dataclasses
+import difflib
+import enum
+import typing
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, ClassVar, Optional
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+
+from deepspeed.utils.logging import logger
+
+__all__ = [
+    "DeepSpeedConfigError",
+    "DeepSpeedConfigModel",
+    "DeprecatedKey",
+    "field_spellings",
+    "find_auto_values",
+    "format_loc",
+    "get_scalar_param",
+    "parse_section",
+    "reject_auto_values",
+    "strip_auto_values",
+    "validation_error_to_value_error",
+]
+
+AUTO = "auto"
+
+
+class DeepSpeedConfigError(ValueError):
+    """A config that cannot be used. A `ValueError`, which is what callers catch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeprecatedKey:
+    """An old JSON key that still works: its value moves to `new_key` before validation.
+
+    `convert` maps the old value to the new one; returning None means "set nothing" (for
+    example ``cpu_offload: false``). `new_key=None` means the key is accepted and ignored.
+    """
+
+    new_key: Optional[str]
+    convert: Optional[Callable[[Any], Any]] = None
+    note: str = ""
+
+
+class DeepSpeedConfigModel(BaseModel):
+    """Base of all typed config sections: strict keys, aliases, deprecated spellings.
+
+    Parse through `parse_section` (or `get_zero_config`) for readable errors. Direct
+    construction raises pydantic's `ValidationError`, itself a `ValueError`: a custom
+    `__init__` would also run for every nested section and wrap its errors twice.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        validate_assignment=True,
+        use_attribute_docstrings=True,
+        arbitrary_types_allowed=True,
+        protected_namespaces=(),
+    )
+
+    # old key -> what it becomes; each subclass sets its own.
+    _deprecated_keys: ClassVar[dict[str, DeprecatedKey]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rewrite_input_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # pydantic reports the wrong type itself
+        data = _migrate_deprecated(cls, dict(data))
+        data = cls._rewrite_before_validation(data)
+        return _collapse_duplicate_spellings(cls, data)
+
+    @classmethod
+    def _rewrite_before_validation(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Hook for rewrites that one `DeprecatedKey` cannot express; gets a private copy."""
+        return data
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # validate_assignment raises pydantic's own error; give it the same readable form.
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as err:
+            raise validation_error_to_value_error(err, type(self)) from None
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        """Every JSON key this section accepts: field names, aliases and deprecated keys."""
+        keys: list[str] = []
+        for name, info in cls.model_fields.items():
+            keys.extend(k for k in field_spellings(name, info) if k not in keys)
+        keys.extend(k for k in cls._deprecated_keys if k not in keys)
+        return keys
+
+
+def field_spellings(name: str, info: FieldInfo) -> list[str]:
+    """The field name followed by every alias pydantic accepts for it."""
+    spellings = [name]
+    extra: list[Any] = [info.alias]
+    if isinstance(info.validation_alias, AliasChoices):
+        extra.extend(info.validation_alias.choices)
+    else:
+        extra.append(info.validation_alias)
+    for alias in extra:
+        if isinstance(alias, str) and alias not in spellings:
+            spellings.append(alias)
+    return spellings
+
+
+def _field_key_for(cls: type[BaseModel], key: str) -> Optional[str]:
+    """The field name that JSON key `key` sets in `cls`, or None when it sets nothing."""
+    for name, info in cls.model_fields.items():
+        if key in field_spellings(name, info):
+            return name
+    return None
+
+
+def _migrate_deprecated(cls: type[DeepSpeedConfigModel], data: dict[str, Any]) -> dict[str, Any]:
+    for old_key, spec in cls._deprecated_keys.items():
+        if old_key not in data:
+            continue
+        old_value = data.pop(old_key)
+        if spec.new_key is None:
+            logger.warning(f"Config key '{old_key}' is deprecated and has no effect. {spec.note}".rstrip())
+            continue
+        new_value = spec.convert(old_value) if spec.convert is not None else old_value
+        logger.warning(
+            f"Config key '{old_key}' is deprecated; use '{spec.new_key}' instead. {spec.note}".rstrip()
+        )
+        if new_value is None:
+            continue
+        present = _present_spellings(cls, spec.new_key, data)
+        if present and data[present[0]] != new_value:
+            raise ValueError(
+                f"deprecated key '{old_key}' ({old_value!r}) conflicts with '{present[0]}' "
+                f"({data[present[0]]!r}); remove '{old_key}'"
+            )
+        if not present:
+            data[spec.new_key] = new_value
+    return data
+
+
+def _present_spellings(cls: type[BaseModel], field_name: str, data: dict[str, Any]) -> list[str]:
+    info = cls.model_fields.get(field_name)
+    spellings = field_spellings(field_name, info) if info is not None else [field_name]
+    return [key for key in spellings if key in data]
+
+
+def _collapse_duplicate_spellings(cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    # Two spellings of one option (`bf16` and `bfloat16`) with equal values are harmless:
+    # keep one, since pydantic would call the other an extra key. Different values are
+    # almost always a stale key left behind by an edit, so refuse rather than guess.
+    for name in cls.model_fields:
+        present = _present_spellings(cls, name, data)
+        if len({repr(data[key]) for key in present}) > 1:
+            shown = ", ".join(f"'{key}'={data[key]!r}" for key in present)
+            raise ValueError(f"{shown} all set the option '{name}' with different values; keep one")
+        for key in present[1:]:
+            del data[key]
+    return data
+
+
+# ----------------------------------------------------------------------------------------
+# Errors
+
+
+def format_loc(loc: Sequence[Any], prefix: str = "") -> str:
+    """('zero_optimization', 'stage') -> 'zero_optimization.stage'; list indices as [i]."""
+    text = prefix
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text = f"{text}.{part}" if text else str(part)
+    return text
+
+
+def _unwrap_model(annotation: Any) -> Optional[type[BaseModel]]:
+    """The BaseModel class inside `X`, `Optional[X]` or `Union[X, ...]`, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _unwrap_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _walk(model_cls: type[BaseModel], loc: Sequence[Any]) -> tuple[Optional[type[BaseModel]], Any]:
+    """Follow `loc` through nested models: (the model owning the last key, that key's field)."""
+    owner: Optional[type[BaseModel]] = model_cls
+    info = None
+    for i, part in enumerate(loc):
+        if owner is None or not isinstance(part, str):
+            return None, None
+        name = _field_key_for(owner, part)
+        info = owner.model_fields.get(name) if name else None
+        if i == len(loc) - 1:
+            return owner, info
+        owner = _unwrap_model(info.annotation) if info is not None else None
+    return owner, info
+
+
+def _allowed_values(info: Optional[FieldInfo]) -> Optional[str]:
+    """'0 (disabled), 1 (...)' for an enum field, "'a', 'b'" for a Literal field, else None."""
+    if info is None:
+        return None
+    candidates = [info.annotation, *typing.get_args(info.annotation)]
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, enum.Enum):
+            return ", ".join(_describe_member(member) for member in candidate)
+        if typing.get_origin(candidate) is typing.Literal:
+            return ", ".join(repr(value) for value in typing.get_args(candidate))
+    return None
+
+
+def _describe_member(member: enum.Enum) -> str:
+    if isinstance(member.value, str):
+        return repr(member.value)
+    return f"{member.value!r} ({member.name})"
+
+
+def _describe_error(model_cls: type[BaseModel], error: dict[str, Any], prefix: str) -> str:
+    loc = error.get("loc", ())
+    key = format_loc(loc, prefix)
+    kind = error.get("type", "")
+    value = error.get("input")
+    if kind == "extra_forbidden":
+        return _describe_unknown_key(model_cls, loc, prefix)
+    if kind == "value_error":
+        # Raised by our own validators: the message already says what is wrong.
+        message = str(error.get("ctx", {}).get("error", error.get("msg", "")))
+        return f"{key}: {message}" if key else message
+    got = f"{key}: got {value!r} ({type(value).__name__})"
+    allowed = _allowed_values(_walk(model_cls, loc)[1])
+    if allowed is not None and kind in ("enum", "literal_error"):
+        # pydantic's own text repeats the choices less clearly (enum aliases show twice).
+        return f"{got}; allowed values: {allowed}"
+    text = f"{got}; {error.get('msg', 'invalid value')}"
+    return text if allowed is None else f"{text}; allowed values: {allowed}"
+
+
+def _describe_unknown_key(model_cls: type[BaseModel], loc: Sequence[Any], prefix: str) -> str:
+    key = format_loc(loc, prefix)
+    owner, _ = _walk(model_cls, loc)
+    section = format_loc(loc[:-1], prefix)
+    where = f"in '{section}'" if section else "at the top level"
+    text = f"{key}: unknown key '{loc[-1]}' {where}"
+    if owner is None or not issubclass(owner, DeepSpeedConfigModel):
+        return text
+    close = difflib.get_close_matches(str(loc[-1]), owner.valid_keys(), n=3, cutoff=0.6)
+    if close:
+        text += "; did you mean " + " or ".join(repr(c) for c in close) + "?"
+    # Canonical names only: listing every alias as well would double the list.
+    return f"{text} Valid keys {where}: {', '.join(owner.model_fields)}"
+
+
+def validation_error_to_value_error(
+    err: ValidationError, model_cls: type[BaseModel], prefix: str = ""
+) -> DeepSpeedConfigError:
+    """One `ValueError` listing every problem in `err`, each under its full dotted key.
+
+    `prefix` is the section's own key (``zero_optimization``) when `model_cls` was
+    validated on its own rather than inside the whole config.
+    """
+    problems = [_describe_error(model_cls, error, prefix) for error in err.errors()]
+    if len(problems) == 1:
+        return DeepSpeedConfigError(f"Invalid DeepSpeed config: {problems[0]}")
+    lines = "\n".join(f"  - {problem}" for problem in problems)
+    return DeepSpeedConfigError(f"Invalid DeepSpeed config ({len(problems)} problems):\n{lines}")
+
+
+def parse_section(model_cls: type[BaseModel], data: Any, prefix: str = "") -> Any:
+    """`model_cls.model_validate(data)`, with errors turned into a readable `ValueError`."""
+    try:
+        return model_cls.model_validate({} if data is None else data)
+    except ValidationError as err:
+        # `from None`: the pydantic traceback repeats what the message already says.
+        raise validation_error_to_value_error(err, model_cls, prefix) from None
+
+
+# ----------------------------------------------------------------------------------------
+# The HF transformers "auto" placeholder
+
+
+def _iter_auto(value: Any, loc: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
+    if isinstance(value, str) and value == AUTO:
+        yield loc
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _iter_auto(item, (*loc, key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _iter_auto(item, (*loc, index))
+
+
+def find_auto_values(data: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose value is the string "auto", in the order they appear."""
+    return [format_loc(loc, prefix) for loc in _iter_auto(data, ())]
+
+
+def reject_auto_values(data: Any, prefix: str = "") -> None:
+    """Raise `DeepSpeedConfigError` naming every key of `data` still set to "auto"."""
+    found = find_auto_values(data, prefix)
+    if not found:
+        return
+    raise DeepSpeedConfigError(
+        f'Invalid DeepSpeed config: {", ".join(found)} still set to "auto". "auto" is a placeholder '
+        "that HF transformers (Trainer / HfDeepSpeedConfig) and accelerate normally resolve before "
+        "DeepSpeed sees the config; replace it with a concrete value, or let the integration fill it in"
+    )
+
+
+def strip_auto_values(data: Any) -> Any:
+    """A copy of `data` with every "auto" entry removed, so that defaults apply instead.
+
+    A list item that is "auto" (``"betas": ["auto", 0.99]``) is kept: dropping it would
+    shift the items after it.
+    """
+    if isinstance(data, dict):
+        return {k: strip_auto_values(v) for k, v in data.items() if not (isinstance(v, str) and v == AUTO)}
+    if isinstance(data, list):
+        return [strip_auto_values(v) for v in data]
+    return data
+
+
+def get_scalar_param(param_dict: dict[str, Any], key: str, default: Any) -> Any:
+    """`param_dict.get(key, default)`; kept because upstream helpers and callers use it."""
+    return param_dict.get(key, default)

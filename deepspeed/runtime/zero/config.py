@@ -1,0 +1,243 @@
+"""The typed `zero_optimization` section, with upstream DeepSpeed 0.19 key names and aliases.
+
+HF transformers and most published configs spell the stage-3 options with a ``stage3_``
+prefix (``stage3_prefetch_bucket_size``); the fields here carry the short name and accept
+the prefixed one as an alias, as upstream does. Sizes are integers but JSON configs write
+them as floats (``5e8``); any float without a fractional part is accepted.
+"""
+
+import enum
+import sys
+from typing import Any, ClassVar, Optional
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from deepspeed.runtime.config_utils import (
+    DeepSpeedConfigModel,
+    DeprecatedKey,
+    logger,
+    parse_section,
+    reject_auto_values,
+    strip_auto_values,
+)
+from deepspeed.runtime.zero.offload_config import (
+    DeepSpeedZeroOffloadOptimizerConfig,
+    DeepSpeedZeroOffloadParamConfig,
+    OffloadDeviceEnum,
+)
+
+__all__ = ["ZERO_OPTIMIZATION", "DeepSpeedZeroConfig", "ZeroStageEnum", "get_zero_config"]
+
+ZERO_OPTIMIZATION = "zero_optimization"
+
+
+class ZeroStageEnum(enum.IntEnum):
+    """What ZeRO partitions across the data-parallel ranks; each stage adds to the previous."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 3
+
+
+def _cpu_offload_to_block(value: Any) -> Optional[dict[str, Any]]:
+    # `cpu_offload: true` meant "optimizer state on the CPU"; `false` sets nothing.
+    return {"device": OffloadDeviceEnum.cpu.value} if value else None
+
+
+_PIN_MEMORY_KEY = "cpu_offload_use_pin_memory"
+
+
+class DeepSpeedZeroConfig(DeepSpeedConfigModel):
+    """`zero_optimization`: which ZeRO stage to run and how it buckets, prefetches and offloads."""
+
+    _deprecated_keys: ClassVar[dict[str, DeprecatedKey]] = {
+        "cpu_offload": DeprecatedKey("offload_optimizer", _cpu_offload_to_block, 'Use {"device": "cpu"}.'),
+        "cpu_offload_param": DeprecatedKey("offload_param", _cpu_offload_to_block, 'Use {"device": "cpu"}.'),
+        "stage3_gather_fp16_weights_on_model_save": DeprecatedKey("gather_16bit_weights_on_model_save"),
+    }
+
+    stage: ZeroStageEnum = ZeroStageEnum.disabled
+    """0: plain data parallel; 1: partition optimizer state; 2: also gradients; 3: also parameters."""
+
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+
+    reduce_scatter: bool = True
+    """Average gradients with reduce-scatter instead of all-reduce (stages 1 and 2)."""
+
+    reduce_bucket_size: int = Field(int(5e8), ge=0)
+    """Number of gradient elements reduced at once."""
+
+    use_multi_rank_bucket_allreduce: bool = True
+    """Stages 1-2: all-reduce buckets that span several ranks' partitions in one call."""
+
+    allgather_partitions: bool = True
+    """Stages 1-2: all-gather updated partitions (True) or broadcast them rank by rank (False)."""
+
+    allgather_bucket_size: int = Field(int(5e8), ge=0)
+    """Stages 1-2: number of parameter elements all-gathered at once."""
+
+    overlap_comm: Optional[bool] = Field(None, validate_default=True)
+    """Overlap gradient reduction with the backward pass. Unset means True for stage 3 only."""
+
+    load_from_fp32_weights: bool = True
+    """On checkpoint load, rebuild 16-bit weights from the fp32 master copy."""
+
+    elastic_checkpoint: bool = False
+    """Stages 1-2: allow loading optimizer state saved with a different data-parallel size."""
+
+    offload_param: Optional[DeepSpeedZeroOffloadParamConfig] = None
+    """Stage 3: keep parameter shards on the CPU or NVMe (see `DeepSpeedZeroOffloadParamConfig`)."""
+
+    offload_optimizer: Optional[DeepSpeedZeroOffloadOptimizerConfig] = None
+    """Keep optimizer state on the CPU or NVMe and step there (`DeepSpeedZeroOffloadOptimizerConfig`)."""
+
+    sub_group_size: int = Field(int(1e9), ge=0)
+    """Stage 3: parameter elements per optimizer sub-group (tile) stepped at once."""
+
+    prefetch_bucket_size: int = Field(int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
+    """Stage 3: maximum number of parameter elements prefetched ahead of use."""
+
+    param_persistence_threshold: int = Field(int(1e5), ge=0, alias="stage3_param_persistence_threshold")
+    """Stage 3: parameters with fewer elements stay gathered (not partitioned)."""
+
+    model_persistence_threshold: int = Field(sys.maxsize, ge=0, alias="stage3_model_persistence_threshold")
+    """Stage 3: upper bound on the total elements kept gathered by `param_persistence_threshold`."""
+
+    max_live_parameters: int = Field(int(1e9), ge=0, alias="stage3_max_live_parameters")
+    """Stage 3: most parameter elements gathered at once before older ones are released."""
+
+    max_reuse_distance: int = Field(int(1e9), ge=0, alias="stage3_max_reuse_distance")
+    """Stage 3: keep a parameter gathered if it is used again within this many elements."""
+
+    gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
+    """Stage 3: `save_16bit_model()` gathers the full 16-bit weights and saves them."""
+
+    module_granularity_threshold: int = Field(0, ge=0, alias="stage3_module_granularity_threshold")
+    """Stage 3: modules finer than this (params per descendant) are fetched as one unit."""
+
+    use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")
+    """Stage 3: fetch parameters with all-reduce rather than all-gather."""
+
+    allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential")
+    """Stage 3: all-gather parameters one by one instead of through a flat bucket."""
+
+    ignore_unused_parameters: bool = True
+    """Stage 2: do not fail when some parameters receive no gradient."""
+
+    legacy_stage1: bool = False
+    """Upstream's old stage-1 implementation; accepted, not acted on."""
+
+    round_robin_gradients: bool = False
+    """Stages 1-2 with CPU offload: spread gradient copies over ranks; accepted, not acted on."""
+
+    zero_hpz_partition_size: int = Field(1, ge=0)
+    """ZeRO++ hpZ: ranks in the secondary (intra-node) parameter partition group; 1 turns it off."""
+
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ: quantize weights for the all-gather."""
+
+    zero_quantized_nontrainable_weights: bool = False
+    """Store frozen weights quantized (useful for LoRA)."""
+
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ: quantize gradients for the reduce-scatter."""
+
+    zeropp_loco_param: Optional[dict[str, Any]] = None
+    """LoCo-ZeRO++ settings (``err_beta``, ``reset_T``); free-form."""
+
+    mics_shard_size: int = -1
+    """MiCS: ranks per parameter shard group; -1 turns MiCS off."""
+
+    mics_hierarchical_params_gather: bool = False
+    """MiCS: gather parameters in two levels (intra-node, then inter-node)."""
+
+    memory_efficient_linear: bool = True
+    """Stage 3: use the memory-efficient linear layer that does not keep gathered weights."""
+
+    pipeline_loading_checkpoint: bool = False
+    """Stage 3: load checkpoints in pipeline-parallel mode."""
+
+    override_module_apply: bool = True
+    """Stage 3: while `zero.Init` is active, `Module.apply` gathers the module's parameters."""
+
+    log_trace_cache_warnings: bool = False
+    """Stage 3: log warnings from the parameter-fetch trace cache (e.g. invalidations)."""
+
+    enable_sanity_checks: bool = False
+    """Run internal consistency checks, e.g. detect edits inside a read-only `GatheredParameters`."""
+
+    save_muon_momentum_buffer_in_memory: bool = False
+    """Upstream Muon + NVMe option; accepted, not acted on."""
+
+    leaf_module: Optional[dict[str, Any]] = None
+    """Stage 3: modules fetched as one unit (upstream ``classes`` / ``names``); free-form."""
+
+    zenflow: Optional[dict[str, Any]] = None
+    """Upstream ZenFlow settings; accepted, not acted on."""
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return [*super().valid_keys(), _PIN_MEMORY_KEY]
+
+    @classmethod
+    def _rewrite_before_validation(cls, data: dict[str, Any]) -> dict[str, Any]:
+        # `cpu_offload_use_pin_memory` applied to whichever offload blocks exist, including
+        # those just made from `cpu_offload` / `cpu_offload_param`, so it runs after them.
+        if _PIN_MEMORY_KEY not in data:
+            return data
+        pin = data.pop(_PIN_MEMORY_KEY)
+        logger.warning(
+            f"Config key '{_PIN_MEMORY_KEY}' is deprecated; set 'pin_memory' in the offload blocks."
+        )
+        blocks = [key for key in ("offload_param", "offload_optimizer") if isinstance(data.get(key), dict)]
+        if not blocks:
+            logger.warning(f"'{_PIN_MEMORY_KEY}' has no effect: no offload block is configured.")
+        for key in blocks:
+            data[key] = {"pin_memory": bool(pin), **data[key]}  # an explicit pin_memory wins
+        return data
+
+    @field_validator("overlap_comm", mode="after")
+    @classmethod
+    def _default_overlap_comm(cls, value: Optional[bool], info: ValidationInfo) -> bool:
+        # Upstream's default depends on the stage: overlapping pays off when params are sharded.
+        if value is not None:
+            return value
+        return info.data.get("stage") == ZeroStageEnum.weights
+
+    @model_validator(mode="after")
+    def _check_partial_offload(self) -> "DeepSpeedZeroConfig":
+        offload = self.offload_optimizer
+        if offload is not None and offload.ratio < 1.0 and self.stage != ZeroStageEnum.weights:
+            raise ValueError(
+                f"offload_optimizer.ratio={offload.ratio} (partial offload) needs stage 3, "
+                f"got stage {int(self.stage)}"
+            )
+        return self
+
+
+def legacy_zero_value(value: Any) -> Any:
+    """Upstream still reads ``"zero_optimization": true`` as stage 1 (false: stage 0)."""
+    if isinstance(value, bool):
+        logger.warning(
+            f'"zero_optimization": {str(value).lower()} is deprecated; use {{"stage": {int(value)}}} instead.'
+        )
+        return {"stage": int(value)}
+    return value
+
+
+def get_zero_config(param_dict: Optional[dict[str, Any]], strict: bool = True) -> DeepSpeedZeroConfig:
+    """The typed `zero_optimization` section of a whole DeepSpeed config dict (stage 0 if absent).
+
+    Raises `ValueError` naming ``zero_optimization.<key>`` for anything invalid. "auto"
+    values raise too, unless ``strict=False``, which drops them so that defaults apply (for
+    `zero.Init`, which HF enters before it fills them; see `deepspeed.runtime.config`).
+    """
+    section = legacy_zero_value((param_dict or {}).get(ZERO_OPTIMIZATION, {}))
+    if strict:
+        reject_auto_values(section, prefix=ZERO_OPTIMIZATION)
+    else:
+        section = strip_auto_values(section)
+    return parse_section(DeepSpeedZeroConfig, section, prefix=ZERO_OPTIMIZATION)

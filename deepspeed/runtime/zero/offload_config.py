@@ -1,0 +1,119 @@
+"""Typed `offload_param` and `offload_optimizer` blocks of `zero_optimization`.
+
+Key names and defaults are upstream DeepSpeed's, so existing JSON configs validate unchanged.
+"""
+
+import enum
+from pathlib import Path
+from typing import Optional
+
+from pydantic import Field, model_validator
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+__all__ = [
+    "DeepSpeedZeroOffloadOptimizerConfig",
+    "DeepSpeedZeroOffloadParamConfig",
+    "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
+]
+
+
+class OffloadDeviceEnum(str, enum.Enum):
+    """Where offloaded tensors live. A `str` enum, so ``device == "cpu"`` also works."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class OffloadStateTypeEnum(str, enum.Enum):
+    """Kinds of engine state that `engine.offload_states()` can move (upstream names)."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
+def _require_nvme_path(device: OffloadDeviceEnum, nvme_path: Optional[Path], block: str) -> None:
+    if device == OffloadDeviceEnum.nvme and nvme_path is None:
+        raise ValueError(f"{block} device 'nvme' needs 'nvme_path' (a directory on the NVMe drive)")
+
+
+class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
+    """`zero_optimization.offload_param`: keep partitioned parameters off the accelerator.
+
+    Valid only with stage 3.
+    """
+
+    device: OffloadDeviceEnum = OffloadDeviceEnum.none
+    """Where parameter shards live: "none" (the accelerator), "cpu" or "nvme"."""
+
+    nvme_path: Optional[Path] = None
+    """Directory on the NVMe drive used when `device` is "nvme"."""
+
+    buffer_count: int = Field(5, ge=0)
+    """Number of buffers in the pool that stages parameters to and from NVMe."""
+
+    buffer_size: int = Field(int(1e8), ge=0)
+    """Size in elements of each NVMe staging buffer."""
+
+    max_in_cpu: int = Field(int(1e9), ge=0)
+    """Number of parameter elements kept in CPU memory when offloading to NVMe."""
+
+    pin_memory: bool = False
+    """Use page-locked CPU memory: faster copies, at the cost of pinned host memory."""
+
+    @model_validator(mode="after")
+    def _check_nvme_path(self) -> "DeepSpeedZeroOffloadParamConfig":
+        _require_nvme_path(self.device, self.nvme_path, "offload_param")
+        return self
+
+
+class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
+    """`zero_optimization.offload_optimizer`: keep optimizer state (and its step) on the CPU.
+
+    Valid with stages 1, 2 and 3. The optimizer step runs on the CPU whatever `device` says.
+    """
+
+    device: OffloadDeviceEnum = OffloadDeviceEnum.none
+    """Where optimizer state lives: "none" (the accelerator), "cpu" or "nvme"."""
+
+    nvme_path: Optional[Path] = None
+    """Directory on the NVMe drive used when `device` is "nvme"."""
+
+    buffer_count: int = Field(4, ge=0)
+    """Buffers in the NVMe swap pool; at least the optimizer's states per parameter (Adam: 4)."""
+
+    pin_memory: bool = False
+    """Use page-locked CPU memory: faster copies, at the cost of pinned host memory."""
+
+    pipeline_read: bool = False
+    """NVMe: read the next tile of optimizer state while the current tile is updated."""
+
+    pipeline_write: bool = False
+    """NVMe: write the previous tile of optimizer state while the current tile is updated."""
+
+    fast_init: bool = False
+    """NVMe: initialise the swapped optimizer state quickly."""
+
+    ratio: float = Field(1.0, ge=0.0, le=1.0)
+    """Fraction of optimizer state offloaded; below 1.0 needs stage 3 (partial offload)."""
+
+    super_offload: bool = False
+    """Upstream's SuperOffload mode for superchips; accepted, not acted on here."""
+
+    cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
+    """Upstream SuperOffload: fraction of CPU cores given to CPU Adam; accepted, not acted on."""
+
+    @property
+    def pipeline(self) -> bool:
+        """True when either NVMe pipelining direction is on (upstream reads this name)."""
+        return self.pipeline_read or self.pipeline_write
+
+    @model_validator(mode="after")
+    def _check_nvme_path(self) -> "DeepSpeedZeroOffloadOptimizerConfig":
+        _require_nvme_path(self.device, self.nvme_path, "offload_optimizer")
+        return self

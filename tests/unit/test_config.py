@@ -1,0 +1,564 @@
+"""The typed config: upstream-style configs parse, aliases map, bad input names its key.
+
+Single-process and fast: nothing here touches torch.distributed.
+"""
+
+import base64
+import copy
+import json
+import logging
+
+import pytest
+import torch
+
+from deepspeed.runtime.config import (
+    DeepSpeedBF16Config,
+    DeepSpeedConfig,
+    DeepSpeedFP16Config,
+    DeepSpeedOptimizerConfig,
+    DeepSpeedRootConfig,
+    DeepSpeedSchedulerConfig,
+    load_config_dict,
+    resolve_batch_sizes,
+)
+from deepspeed.runtime.config_utils import DeepSpeedConfigError
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum, get_zero_config
+from deepspeed.runtime.zero.offload_config import (
+    DeepSpeedZeroOffloadOptimizerConfig,
+    DeepSpeedZeroOffloadParamConfig,
+    OffloadDeviceEnum,
+)
+
+# The ZeRO-3 config from the HF transformers DeepSpeed guide, with the "auto" entries
+# filled in the way the Trainer fills them.
+HF_ZERO3 = {
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 500},
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": 1048576,
+        "stage3_prefetch_bucket_size": 943718.4e1,
+        "stage3_param_persistence_threshold": 10240,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 2000,
+    "train_batch_size": 32,
+    "train_micro_batch_size_per_gpu": 4,
+    "wall_clock_breakdown": False,
+}
+
+
+def zero(section):
+    return DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": section}).zero_config
+
+
+# ----------------------------------------------------------------------------------------
+# Valid configs
+
+
+def test_hf_zero3_config_parses():
+    cfg = DeepSpeedConfig(copy.deepcopy(HF_ZERO3), world_size=4)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+        32,
+        4,
+        2,
+    )
+    assert cfg.zero_optimization_stage == 3 and cfg.zero_enabled
+    assert cfg.zero_config.stage is ZeroStageEnum.weights
+    z = cfg.zero_config
+    assert z.prefetch_bucket_size == 9437184 and isinstance(z.prefetch_bucket_size, int)
+    assert z.param_persistence_threshold == 10240
+    assert z.max_live_parameters == 10**9 and z.max_reuse_distance == 10**9
+    assert z.sub_group_size == 10**9 and isinstance(z.sub_group_size, int)
+    assert z.gather_16bit_weights_on_model_save is True
+    assert z.offload_param.device == OffloadDeviceEnum.cpu and z.offload_param.pin_memory
+    assert z.offload_optimizer.device == "cpu" and z.offload_optimizer.pin_memory
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 2000
+
+
+def test_hf_config_precision_and_optimizer_attributes():
+    cfg = DeepSpeedConfig(copy.deepcopy(HF_ZERO3), world_size=4)
+    assert cfg.fp16_enabled and not cfg.bfloat16_enabled and not cfg.bf16_enabled
+    assert cfg.loss_scale == 0 and cfg.initial_dynamic_scale == 2**16
+    assert cfg.dynamic_loss_scale_args == {
+        "init_scale": 2**16,
+        "scale_window": 1000,
+        "delayed_shift": 2,
+        "consecutive_hysteresis": False,
+        "min_scale": 1,
+    }
+    assert cfg.optimizer_name == "adamw"
+    assert cfg.optimizer_params["torch_adam"] is True and cfg.optimizer_params["betas"] == [0.9, 0.999]
+    assert cfg.scheduler_name == "WarmupLR" and cfg.scheduler_params["warmup_num_steps"] == 500
+    assert cfg.world_size == 4
+    assert cfg._param_dict["zero_optimization"]["stage"] == 3
+
+
+def test_defaults_of_a_minimal_config():
+    cfg = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 2})
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps, cfg.world_size) == (2, 1, 1)
+    assert cfg.zero_optimization_stage == 0 and not cfg.zero_enabled
+    assert not cfg.fp16_enabled and not cfg.bfloat16_enabled
+    assert cfg.dynamic_loss_scale_args is None
+    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
+    assert cfg.optimizer_name is None and cfg.optimizer_params is None and cfg.scheduler_name is None
+    assert not cfg.wall_clock_breakdown and not cfg.zero_allow_untested_optimizer
+    z = cfg.zero_config
+    assert z.reduce_bucket_size == 500_000_000 and z.prefetch_bucket_size == 50_000_000
+    assert z.param_persistence_threshold == 100_000 and z.gather_16bit_weights_on_model_save is False
+    assert z.enable_sanity_checks is False and z.offload_param is None
+
+
+def test_static_loss_scale_and_bf16():
+    static = DeepSpeedConfig({"train_batch_size": 4, "fp16": {"enabled": True, "loss_scale": 128}})
+    assert static.loss_scale == 128 and static.dynamic_loss_scale_args is None
+    bf16 = DeepSpeedConfig({"train_batch_size": 4, "bf16": {"enabled": True}})
+    assert bf16.bfloat16_enabled and bf16.bf16_enabled and not bf16.fp16_enabled
+    assert bf16.loss_scale == 1.0
+
+
+def test_bfloat16_block_alias():
+    cfg = DeepSpeedConfig({"train_batch_size": 4, "bfloat16": {"enabled": True}})
+    assert cfg.bfloat16_enabled
+
+
+def test_overlap_comm_defaults_by_stage():
+    assert zero({"stage": 3}).overlap_comm is True
+    assert zero({"stage": 2}).overlap_comm is False
+    assert zero({"stage": 2, "overlap_comm": True}).overlap_comm is True
+
+
+@pytest.mark.parametrize(
+    "name", ["Adam", "ADAMW", "sgd", "OneBitAdam", "Lamb", "Lion", "FusedAdam", "CPUAdam"]
+)
+def test_deepspeed_optimizer_names_lowercased(name):
+    cfg = DeepSpeedConfig({"train_batch_size": 1, "optimizer": {"type": name, "params": {"lr": 0.1}}})
+    assert cfg.optimizer_name == name.lower()
+
+
+def test_other_optimizer_names_kept_for_torch_optim_lookup():
+    cfg = DeepSpeedConfig({"train_batch_size": 1, "optimizer": {"type": "RMSprop"}})
+    assert cfg.optimizer_name == "RMSprop" and cfg.optimizer_params is None
+
+
+def test_accepted_upstream_sections_and_flags():
+    extras = {
+        "train_batch_size": 8,
+        "activation_checkpointing": {"partition_activations": False},
+        "flops_profiler": {"enabled": False},
+        "tensorboard": {"enabled": False},
+        "wandb": {"enabled": False},
+        "comms_logger": {"enabled": False},
+        "aio": {"block_size": 1048576},
+        "checkpoint": {"tag_validation": "Warn", "load_universal": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "FP32",
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 2.0,
+        "sparse_gradients": False,
+        "memory_breakdown": False,
+        "dump_state": False,
+    }
+    cfg = DeepSpeedConfig(extras)
+    assert cfg.communication_data_type is torch.float32
+    assert cfg.zero_allow_untested_optimizer and not cfg.zero_force_ds_cpu_optimizer
+    assert cfg.gradient_predivide_factor == 2.0 and cfg.grad_accum_dtype == "fp32"
+    assert cfg.load_universal_checkpoint and cfg.checkpoint_config["tag_validation"] == "Warn"
+
+
+def test_steps_per_print_infinity_from_accelerate():
+    cfg = DeepSpeedConfig({"train_batch_size": 1, "steps_per_print": float("inf")})
+    assert cfg.steps_per_print == float("inf")
+
+
+def test_repr_and_print_are_readable(caplog):
+    cfg = DeepSpeedConfig(copy.deepcopy(HF_ZERO3), world_size=4)
+    assert "zero_stage=3" in repr(cfg) and "train_batch_size=32" in repr(cfg)
+    text = cfg.describe("engine config")
+    assert text.startswith("engine config:") and "fp16_enabled" in text and '"stage": 3' in text
+    cfg.print("engine config")  # logs at INFO; must not raise
+
+
+# ----------------------------------------------------------------------------------------
+# Inputs: dict, JSON file, base64
+
+
+def test_json_path_and_dict_agree(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(HF_ZERO3))
+    from_path = DeepSpeedConfig(str(path), world_size=4)
+    from_pathlike = DeepSpeedConfig(path, world_size=4)
+    from_dict = DeepSpeedConfig(copy.deepcopy(HF_ZERO3), world_size=4)
+    assert from_path.zero_config == from_dict.zero_config == from_pathlike.zero_config
+    assert from_path._param_dict == HF_ZERO3
+
+
+def test_base64_json():
+    encoded = base64.urlsafe_b64encode(json.dumps(HF_ZERO3).encode()).decode()
+    assert load_config_dict(encoded) == HF_ZERO3
+
+
+def test_missing_path_names_it():
+    with pytest.raises(ValueError, match=r"'/no/such/ds_config\.json' does not exist"):
+        DeepSpeedConfig("/no/such/ds_config.json")
+
+
+def test_bad_json_file_names_path(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{"train_batch_size": 8,,}')
+    with pytest.raises(ValueError, match=r"broken\.json.* is not valid JSON"):
+        DeepSpeedConfig(str(path))
+
+
+def test_duplicate_json_key_rejected(tmp_path):
+    path = tmp_path / "dup.json"
+    path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(ValueError, match=r"dup\.json.*duplicate key 'train_batch_size'"):
+        DeepSpeedConfig(str(path))
+
+
+def test_json_file_must_hold_an_object(tmp_path):
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"must hold a JSON object, got list"):
+        DeepSpeedConfig(str(path))
+
+
+def test_input_dict_not_modified():
+    given = {"train_batch_size": 4, "zero_optimization": {"stage": 3, "cpu_offload": True}}
+    snapshot = copy.deepcopy(given)
+    DeepSpeedConfig(given)
+    assert given == snapshot
+
+
+# ----------------------------------------------------------------------------------------
+# Batch-size identity
+
+
+@pytest.mark.parametrize(
+    "train, micro, gas, ws, expected",
+    [
+        (32, 4, 2, 4, (32, 4, 2)),
+        (32, 4, None, 4, (32, 4, 2)),
+        (32, None, 2, 4, (32, 4, 2)),
+        (None, 4, 2, 4, (32, 4, 2)),
+        (32, None, None, 4, (32, 8, 1)),
+        (None, 4, None, 4, (16, 4, 1)),
+        (None, None, 3, 2, (6, 1, 3)),
+    ],
+)
+def test_batch_identity_fill_in(train, micro, gas, ws, expected):
+    assert resolve_batch_sizes(train, micro, gas, ws) == expected
+
+
+def test_batch_sizes_from_world_size_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = DeepSpeedConfig({"train_batch_size": 16, "gradient_accumulation_steps": 2})
+    assert cfg.world_size == 2 and cfg.train_micro_batch_size_per_gpu == 4
+
+
+def test_world_size_from_mpu():
+    class Mpu:
+        def get_data_parallel_world_size(self):
+            return 3
+
+    cfg = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 2}, mpu=Mpu())
+    assert cfg.world_size == 3 and cfg.train_batch_size == 6
+
+
+def test_batch_mismatch_names_all_values():
+    with pytest.raises(ValueError, match=r"train_batch_size=30.*=4.*=2.*world_size=4.*4 \* 2 \* 4 = 32"):
+        DeepSpeedConfig(
+            {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+            world_size=4,
+        )
+
+
+def test_batch_not_divisible():
+    with pytest.raises(ValueError, match=r"train_batch_size=10.*not divisible by.*= 12"):
+        DeepSpeedConfig({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3}, world_size=4)
+
+
+def test_no_batch_size_given():
+    with pytest.raises(ValueError, match=r"set train_batch_size or train_micro_batch_size_per_gpu"):
+        DeepSpeedConfig({"zero_optimization": {"stage": 3}})
+
+
+def test_batch_size_must_be_positive():
+    with pytest.raises(ValueError, match=r"train_batch_size: got 0 \(int\).*greater than 0"):
+        DeepSpeedConfig({"train_batch_size": 0})
+
+
+# ----------------------------------------------------------------------------------------
+# Aliases and deprecated keys
+
+
+@pytest.mark.parametrize(
+    "alias, field, value",
+    [
+        ("stage3_prefetch_bucket_size", "prefetch_bucket_size", 123),
+        ("stage3_param_persistence_threshold", "param_persistence_threshold", 456),
+        ("stage3_model_persistence_threshold", "model_persistence_threshold", 789),
+        ("stage3_max_live_parameters", "max_live_parameters", 1000),
+        ("stage3_max_reuse_distance", "max_reuse_distance", 2000),
+        ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", True),
+        ("stage3_module_granularity_threshold", "module_granularity_threshold", 7),
+    ],
+)
+def test_stage3_aliases_and_field_names(alias, field, value):
+    assert getattr(zero({"stage": 3, alias: value}), field) == value
+    assert getattr(zero({"stage": 3, field: value}), field) == value
+
+
+def test_deprecated_gather_fp16_alias_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="deepspeed"):
+        z = zero({"stage": 3, "stage3_gather_fp16_weights_on_model_save": True})
+    assert z.gather_16bit_weights_on_model_save is True
+    assert "stage3_gather_fp16_weights_on_model_save" in caplog.text and "deprecated" in caplog.text
+
+
+def test_deprecated_cpu_offload(caplog):
+    with caplog.at_level(logging.WARNING, logger="deepspeed"):
+        z = zero({"stage": 2, "cpu_offload": True})
+    assert isinstance(z.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig)
+    assert z.offload_optimizer.device == OffloadDeviceEnum.cpu
+    assert "cpu_offload" in caplog.text and "offload_optimizer" in caplog.text
+    assert zero({"stage": 2, "cpu_offload": False}).offload_optimizer is None
+
+
+def test_deprecated_cpu_offload_param_and_pin_memory():
+    z = zero({"stage": 3, "cpu_offload_param": True, "cpu_offload": True, "cpu_offload_use_pin_memory": True})
+    assert isinstance(z.offload_param, DeepSpeedZeroOffloadParamConfig)
+    assert z.offload_param.device == "cpu" and z.offload_param.pin_memory
+    assert z.offload_optimizer.device == "cpu" and z.offload_optimizer.pin_memory
+
+
+def test_deprecated_key_conflicting_with_new_key():
+    with pytest.raises(
+        ValueError,
+        match=r"zero_optimization: deprecated key 'cpu_offload'.*conflicts with 'offload_optimizer'",
+    ):
+        zero({"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}})
+
+
+def test_two_spellings_with_different_values():
+    with pytest.raises(ValueError, match=r"'prefetch_bucket_size'=1, 'stage3_prefetch_bucket_size'=2"):
+        zero({"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2})
+
+
+def test_two_spellings_with_equal_values():
+    assert zero({"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 1}).prefetch_bucket_size == 1
+    both = {"train_batch_size": 1, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}}
+    assert DeepSpeedConfig(both).bfloat16_enabled
+
+
+def test_legacy_boolean_zero_optimization():
+    assert zero(True).stage == ZeroStageEnum.optimizer_states
+    assert zero(False).stage == ZeroStageEnum.disabled
+
+
+def test_get_zero_config_and_enum():
+    z = get_zero_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8}})
+    assert isinstance(z, DeepSpeedZeroConfig) and z.reduce_bucket_size == 500_000_000
+    assert get_zero_config({}).stage == ZeroStageEnum.disabled
+    assert [int(s) for s in ZeroStageEnum] == [0, 1, 2, 3]
+    assert ZeroStageEnum.weights == 3 and ZeroStageEnum.max_stage == 3
+
+
+def test_every_field_documented():
+    models = (
+        DeepSpeedRootConfig,
+        DeepSpeedFP16Config,
+        DeepSpeedBF16Config,
+        DeepSpeedOptimizerConfig,
+        DeepSpeedSchedulerConfig,
+        DeepSpeedZeroConfig,
+        DeepSpeedZeroOffloadParamConfig,
+        DeepSpeedZeroOffloadOptimizerConfig,
+    )
+    for model in models:
+        undocumented = [name for name, info in model.model_fields.items() if not info.description]
+        assert undocumented == [], f"{model.__name__}: {undocumented}"
+
+
+def test_assignment_is_validated():
+    z = zero({"stage": 3})
+    z.reduce_bucket_size = 1e6
+    assert z.reduce_bucket_size == 1_000_000
+    with pytest.raises(ValueError, match=r"stage: got 7 \(int\); allowed values: 0 \(disabled\)"):
+        z.stage = 7
+
+
+# ----------------------------------------------------------------------------------------
+# Invalid configs
+
+
+def test_unknown_top_level_key_suggests():
+    with pytest.raises(
+        ValueError, match=r"unknown key 'train_batchsize' at the top level; did you mean 'train_batch_size'"
+    ):
+        DeepSpeedConfig({"train_batchsize": 8})
+
+
+def test_unknown_zero_key_suggests_and_lists_valid_keys():
+    with pytest.raises(ValueError) as info:
+        DeepSpeedConfig(
+            {"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket": 5}}
+        )
+    message = str(info.value)
+    assert "zero_optimization.stage3_prefetch_bucket: unknown key" in message
+    assert "did you mean 'stage3_prefetch_bucket_size'" in message
+    assert "Valid keys in 'zero_optimization': stage, contiguous_gradients" in message
+
+
+def test_unknown_offload_key_names_full_path():
+    with pytest.raises(
+        ValueError, match=r"zero_optimization\.offload_param\.pin_memroy: unknown key.*'pin_memory'"
+    ):
+        zero({"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}})
+
+
+def test_bad_stage_names_key_value_and_allowed():
+    with pytest.raises(
+        ValueError,
+        match=r"zero_optimization\.stage: got 4 \(int\); allowed values: 0 \(disabled\), "
+        r"1 \(optimizer_states\), 2 \(gradients\), 3 \(weights\)",
+    ):
+        DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {"stage": 4}})
+
+
+def test_bad_stage_through_get_zero_config():
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage: got -1"):
+        get_zero_config({"zero_optimization": {"stage": -1}})
+
+
+def test_bad_offload_device_lists_allowed():
+    with pytest.raises(
+        ValueError,
+        match=r"zero_optimization\.offload_optimizer\.device: got 'gpu'.*allowed values: 'none', 'cpu', 'nvme'",
+    ):
+        zero({"stage": 3, "offload_optimizer": {"device": "gpu"}})
+
+
+def test_bad_type():
+    with pytest.raises(
+        ValueError, match=r"zero_optimization\.reduce_bucket_size: got 'big' \(str\).*valid integer"
+    ):
+        zero({"reduce_bucket_size": "big"})
+    with pytest.raises(
+        ValueError, match=r"zero_optimization\.reduce_bucket_size: got 1\.5 .*fractional part"
+    ):
+        zero({"reduce_bucket_size": 1.5})
+    with pytest.raises(ValueError, match=r"fp16\.enabled: got 'maybe' \(str\).*valid boolean"):
+        DeepSpeedConfig({"train_batch_size": 1, "fp16": {"enabled": "maybe"}})
+
+
+def test_several_problems_reported_together():
+    with pytest.raises(ValueError, match=r"\(2 problems\)") as info:
+        DeepSpeedConfig({"train_batch_size": 1, "gradient_clipping": -1, "zero_optimization": {"stage": 9}})
+    assert "gradient_clipping" in str(info.value) and "zero_optimization.stage" in str(info.value)
+
+
+def test_auto_rejected_with_hint():
+    cfg = copy.deepcopy(HF_ZERO3)
+    cfg["train_batch_size"] = "auto"
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto"
+    with pytest.raises(ValueError, match=r'still set to "auto".*HF transformers.*accelerate') as info:
+        DeepSpeedConfig(cfg, world_size=4)
+    assert "train_batch_size" in str(info.value)
+    assert "zero_optimization.stage3_prefetch_bucket_size" in str(info.value)
+
+
+def test_auto_allowed_when_not_strict():
+    # zero.Init sees HF configs before the model-dependent "auto" entries are filled.
+    cfg = copy.deepcopy(HF_ZERO3)
+    cfg["zero_optimization"]["reduce_bucket_size"] = "auto"
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto"
+    cfg["scheduler"]["params"]["warmup_num_steps"] = "auto"
+    parsed = DeepSpeedConfig(cfg, world_size=4, strict=False)
+    assert parsed.zero_config.reduce_bucket_size == 500_000_000
+    assert parsed.zero_config.prefetch_bucket_size == 50_000_000
+    assert parsed._param_dict["zero_optimization"]["reduce_bucket_size"] == "auto"
+
+
+def test_get_zero_config_auto():
+    section = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"}}
+    with pytest.raises(
+        ValueError, match=r'zero_optimization\.stage3_param_persistence_threshold still set to "auto"'
+    ):
+        get_zero_config(section)
+    assert get_zero_config(section, strict=False).param_persistence_threshold == 100_000
+
+
+def test_not_strict_without_batch_sizes():
+    cfg = DeepSpeedConfig({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, strict=False)
+    assert cfg.zero_optimization_stage == 3 and cfg.bfloat16_enabled
+
+
+def test_fp16_and_bf16_both_enabled():
+    with pytest.raises(ValueError, match=r"fp16\.enabled and bf16\.enabled are both true"):
+        DeepSpeedConfig({"train_batch_size": 1, "fp16": {"enabled": True}, "bf16": {"enabled": True}})
+
+
+def test_bf16_and_bfloat16_disagreeing():
+    with pytest.raises(ValueError, match=r"'bf16'=.*'bfloat16'=.*keep one"):
+        DeepSpeedConfig({"train_batch_size": 1, "bf16": {"enabled": True}, "bfloat16": {"enabled": False}})
+
+
+def test_partial_offload_needs_stage_3():
+    with pytest.raises(ValueError, match=r"offload_optimizer\.ratio=0\.5 .*needs stage 3, got stage 2"):
+        zero({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
+
+
+def test_nvme_offload_needs_path():
+    with pytest.raises(ValueError, match=r"zero_optimization\.offload_param: .*needs 'nvme_path'"):
+        zero({"stage": 3, "offload_param": {"device": "nvme"}})
+
+
+def test_bad_communication_data_type():
+    with pytest.raises(
+        ValueError, match=r"communication_data_type: got 'int8'.*allowed values: 'fp32', 'fp16'"
+    ):
+        DeepSpeedConfig({"train_batch_size": 1, "communication_data_type": "int8"})
+
+
+def test_free_form_section_must_be_a_dict():
+    with pytest.raises(ValueError, match=r"activation_checkpointing: got True \(bool\).*dictionary"):
+        DeepSpeedConfig({"train_batch_size": 1, "activation_checkpointing": True})
+
+
+def test_direct_construction():
+    assert DeepSpeedZeroConfig(stage3_max_live_parameters=5).max_live_parameters == 5
+    with pytest.raises(ValueError, match=r"stage"):
+        DeepSpeedZeroConfig(stage=8)
+
+
+def test_errors_are_value_errors_without_pydantic_chain():
+    with pytest.raises(DeepSpeedConfigError) as info:
+        zero({"stage": 5})
+    assert isinstance(info.value, ValueError) and info.value.__cause__ is None
