@@ -3,7 +3,11 @@
 import pathlib
 import re
 
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
 
 HERE = pathlib.Path(__file__).parent
 
@@ -21,8 +25,19 @@ def read_requirements(name: str) -> list:
     return [line.strip() for line in lines if line.strip() and not line.startswith(("#", "-r"))]
 
 
+class BuildPyWithSources(build_py):
+    """Ship the native sources (`csrc/`) inside the package so a wheel can JIT-build its ops."""
+
+    def run(self):
+        super().run()
+        target = pathlib.Path(self.build_lib) / "deepspeed" / "csrc"
+        if (HERE / "csrc").is_dir():
+            shutil.copytree(HERE / "csrc", target, dirs_exist_ok=True)
+
+
 setup(
     name="deepspeed",
+    cmdclass={"build_py": BuildPyWithSources},
     version=read_version(),
     description="A clean-room implementation of DeepSpeed ZeRO-3 with start()/stop() context managers",
     long_description=(HERE / "README.md").read_text(),

@@ -1,0 +1,235 @@
+"""`DeepSpeedCPUAdam`: Adam/AdamW for parameters held in CPU memory (ZeRO-Offload)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from itertools import chain
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+import torch
+
+from deepspeed.ops.op_builder import ALL_OPS
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Bumps a tensor's autograd version counter, as an in-place torch op would (torch >= 2.1).
+_increment_version = getattr(torch.autograd.graph, "increment_version", None)
+
+
+def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    if lr < 0.0:
+        raise ValueError(f"DeepSpeedCPUAdam: lr must be >= 0, got {lr}")
+    if eps < 0.0:
+        raise ValueError(f"DeepSpeedCPUAdam: eps must be >= 0, got {eps}")
+    for i, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"DeepSpeedCPUAdam: betas[{i}] must be in [0, 1), got {beta}")
+    if weight_decay < 0.0:
+        raise ValueError(f"DeepSpeedCPUAdam: weight_decay must be >= 0, got {weight_decay}")
+
+
+def torch_adam_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    adamw_mode: bool,
+) -> None:
+    """The native kernel's update in torch ops, in torch.optim.Adam's order (in place).
+
+    The math runs in the dtype of the optimizer states; a parameter of another dtype is
+    upcast for the update and the result is copied back.
+    """
+    master = param if param.dtype == exp_avg.dtype else param.to(exp_avg.dtype)
+    grad = grad.to(exp_avg.dtype)
+    if weight_decay != 0:
+        if adamw_mode:
+            master.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(master, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step if bias_correction else 1.0
+    bias_correction2 = 1 - beta2**step if bias_correction else 1.0
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+    if master is not param:
+        param.copy_(master)
+
+
+class DeepSpeedCPUAdam(torch.optim.Optimizer):
+    """Adam (``adamw_mode=False``, L2 weight decay) or AdamW (decoupled weight decay) on CPU.
+
+    The step runs the native ``cpu_adam`` op (``deepspeed.ops.op_builder.ALL_OPS``), which
+    fuses the whole update into one OpenMP-parallel pass over each parameter. The op is
+    compiled on first use (about a minute on two cores) and cached in
+    ``$TORCH_EXTENSIONS_DIR``. When it cannot be built on this machine (no C++ compiler or
+    ninja, or a failed build), the optimizer logs one warning and runs the same update as
+    in-place torch ops instead; both follow torch.optim.Adam's order of operations, so the
+    results agree with it to float rounding. ``uses_native`` says which path is active.
+
+    fp32 parameters use the native op directly. fp16/bf16 parameters keep fp32 states when
+    ``fp32_optimizer_states`` (the default), are upcast for the update and written back.
+    Parameters must be on the CPU; use ``"offload_optimizer": {"device": "cpu"}`` in the
+    ZeRO config, or torch.optim.AdamW for accelerator parameters.
+    """
+
+    adamw_mode: bool  # decoupled weight decay (AdamW) rather than L2 (Adam)
+    fp32_optimizer_states: bool  # exp_avg / exp_avg_sq in fp32 whatever the param dtype
+    _native: Optional[ModuleType]  # the compiled op, or None on the torch fallback
+
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        if amsgrad:
+            raise ValueError(
+                "DeepSpeedCPUAdam does not support amsgrad=True; pass amsgrad=False, or use "
+                "torch.optim.Adam(amsgrad=True) for an unoffloaded optimizer"
+            )
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            amsgrad=False,
+        )
+        super().__init__(model_params, defaults)
+        self.adamw_mode = adamw_mode
+        self.fp32_optimizer_states = fp32_optimizer_states
+        self._native = ALL_OPS["cpu_adam"].try_load()
+
+    @property
+    def uses_native(self) -> bool:
+        """True when steps run the compiled ``cpu_adam`` op."""
+        return self._native is not None
+
+    def _init_state(self, param: torch.Tensor) -> dict[str, Any]:
+        state = self.state[param]
+        if not state:
+            dtype = torch.float32 if self.fp32_optimizer_states else param.dtype
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+        return state
+
+    @torch.no_grad()
+    def step(
+        self, closure: Optional[Callable[[], Any]] = None, fp16_param_groups: Optional[list[Any]] = None
+    ) -> Any:
+        """One update of every parameter that has a gradient.
+
+        ``fp16_param_groups`` (optional, one list or tensor per param group): low-precision
+        copies that receive the updated values, as the old DeepSpeed API allowed.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        copies = self._copy_targets(fp16_param_groups)
+        for group, group_copies in zip(self.param_groups, copies):
+            for param, copy in zip(group["params"], group_copies):
+                if param.grad is not None:
+                    self._step_param(param, group, copy)
+        return loss
+
+    def _copy_targets(self, fp16_param_groups: Optional[list[Any]]) -> list[list[Optional[torch.Tensor]]]:
+        if fp16_param_groups is None:
+            return [[None] * len(group["params"]) for group in self.param_groups]
+        if isinstance(fp16_param_groups, torch.Tensor):
+            fp16_param_groups = [fp16_param_groups]
+        targets = [[g] if isinstance(g, torch.Tensor) else list(g) for g in fp16_param_groups]
+        shape = [len(group["params"]) for group in self.param_groups]
+        if [len(t) for t in targets] != shape:
+            raise ValueError(
+                f"DeepSpeedCPUAdam.step: fp16_param_groups has {[len(t) for t in targets]} tensors per "
+                f"group but the optimizer has {shape}; pass one copy per parameter, group by group"
+            )
+        return targets
+
+    def _step_param(self, param: torch.Tensor, group: dict[str, Any], copy: Optional[torch.Tensor]) -> None:
+        if param.device.type != "cpu":
+            raise ValueError(
+                f"DeepSpeedCPUAdam: a parameter is on {param.device}, but it must be on the CPU; "
+                'enable "offload_optimizer": {"device": "cpu"} in the ZeRO config, or use '
+                "torch.optim.AdamW for accelerator parameters"
+            )
+        if param.grad.is_sparse:
+            raise RuntimeError("DeepSpeedCPUAdam does not support sparse gradients")
+        state = self._init_state(param)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        args = (
+            state["step"],
+            float(group["lr"]),
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            bool(group.get("bias_correction", True)),
+            self.adamw_mode,
+        )
+        if not self._run_native(param, state, args):
+            torch_adam_update(param, param.grad, state["exp_avg"], state["exp_avg_sq"], *args)
+        if copy is not None:
+            copy.copy_(param.detach().view_as(copy))
+
+    def _run_native(self, param: torch.Tensor, state: dict[str, Any], args: tuple) -> bool:
+        """Run the native op when it and these tensors allow it; False means use torch."""
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        native_ok = (
+            self._native is not None
+            and param.is_contiguous()
+            and exp_avg.dtype == torch.float32
+            and exp_avg_sq.dtype == torch.float32
+            and exp_avg.is_contiguous()
+            and exp_avg_sq.is_contiguous()
+            and exp_avg.device.type == "cpu"
+            and exp_avg_sq.device.type == "cpu"
+        )
+        if not native_ok or param.dtype not in (torch.float32, *_LOW_PRECISION):
+            return False
+        grad = param.grad.to(torch.float32).contiguous()
+        if param.dtype == torch.float32:
+            self._native.adam_update(param.detach(), grad, exp_avg, exp_avg_sq, *args)
+        else:  # update an fp32 copy, written back to the low-precision param in the same pass
+            master = param.detach().to(torch.float32)
+            self._native.adam_update_copy(master, grad, exp_avg, exp_avg_sq, param.detach(), *args)
+        if _increment_version is not None:  # the kernel wrote through a raw pointer
+            _increment_version(param)
+        return True
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, then exp_avg / exp_avg_sq restored to fp32 when the states are fp32.
+
+        torch casts floating-point state to each parameter's dtype; for fp16/bf16 parameters
+        with ``fp32_optimizer_states`` that would drop the states' precision.
+        """
+        super().load_state_dict(state_dict)
+        if not self.fp32_optimizer_states:
+            return
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, param in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = saved.get(key)
+                if isinstance(value, torch.Tensor) and param in self.state:
+                    self.state[param][key] = value.to(device=param.device, dtype=torch.float32)

@@ -1,0 +1,11 @@
+"""Native op builders. `ALL_OPS` maps an op's name to its shared builder instance.
+
+Importing this package compiles nothing; `ALL_OPS[name].load()` builds on first use.
+"""
+
+from deepspeed.ops.op_builder.builder import OpBuilder
+from deepspeed.ops.op_builder.cpu_adam import CPUAdamBuilder
+
+__all__ = ["ALL_OPS", "CPUAdamBuilder", "OpBuilder"]
+
+ALL_OPS: dict[str, OpBuilder] = {builder.NAME: builder for builder in (CPUAdamBuilder(),)}

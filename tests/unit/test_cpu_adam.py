@@ -1,0 +1,261 @@
+"""DeepSpeedCPUAdam and the cpu_adam op against torch.optim.Adam / AdamW.
+
+The op is compiled at most once per session: the builder in ALL_OPS keeps the loaded
+module, and the library is cached in $TORCH_EXTENSIONS_DIR across sessions.
+"""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+from deepspeed.ops.adam.cpu_adam import torch_adam_update
+from deepspeed.ops.op_builder import ALL_OPS, CPUAdamBuilder, builder
+
+SIZES = (1, 7, 1023, 100003)
+STEPS = 20
+NATIVE = ALL_OPS["cpu_adam"].is_compatible()
+needs_native = pytest.mark.skipif(not NATIVE, reason="cpu_adam cannot be built here (no compiler or ninja)")
+
+
+class IncompatibleBuilder(CPUAdamBuilder):
+    def incompatibility_reasons(self):
+        return ["disabled by the test"]
+
+
+def make_params(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in SIZES]
+
+
+def run_steps(opt, params, steps=STEPS, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+
+
+def assert_parity(ours, params, ref, ref_params):
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours.state[p][key], ref.state[q][key], rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture
+def no_native(monkeypatch):
+    monkeypatch.setitem(ALL_OPS, "cpu_adam", IncompatibleBuilder())
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam_l2"])
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.95)], ids=["default_betas", "small_beta1"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch_fallback"])
+def test_matches_torch(request, adamw_mode, betas, native):
+    if native and not NATIVE:
+        pytest.skip("cpu_adam cannot be built here")
+    if not native:
+        request.getfixturevalue("no_native")
+    kwargs = dict(lr=1e-2, betas=betas, eps=1e-8, weight_decay=0.1)
+    params, ref_params = make_params(), make_params()
+    opt = DeepSpeedCPUAdam(params, adamw_mode=adamw_mode, **kwargs)
+    ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    ref = ref_cls(ref_params, foreach=False, **kwargs)
+    assert opt.uses_native is native
+    run_steps(opt, params)
+    run_steps(ref, ref_params)
+    assert_parity(opt, params, ref, ref_params)
+
+
+@needs_native
+def test_native_op_is_loaded_and_used(monkeypatch):
+    opt = DeepSpeedCPUAdam(make_params())
+    op = ALL_OPS["cpu_adam"]
+    assert opt.uses_native and op.is_built()
+    assert op.load() is opt._native  # cached: the same module, no second build
+    calls = []
+    real = opt._native
+
+    class Spy:
+        def adam_update(self, *args):
+            calls.append(args[4])  # the step count
+            real.adam_update(*args)
+
+    monkeypatch.setattr(opt, "_native", Spy())
+    run_steps(opt, [p for g in opt.param_groups for p in g["params"]], steps=2)
+    assert calls == [1] * len(SIZES) + [2] * len(SIZES)
+
+
+def test_without_bias_correction_matches_reference(no_native):
+    params = make_params()
+    opt = DeepSpeedCPUAdam(params, lr=1e-2, bias_correction=False, weight_decay=0.01)
+    run_steps(opt, params, steps=3)
+    expected = make_params()
+    states = [(torch.zeros_like(p), torch.zeros_like(p)) for p in expected]
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for step in range(1, 4):
+            for p, (m, v) in zip(expected, states):
+                grad = torch.randn(p.shape, generator=gen)
+                torch_adam_update(p, grad, m, v, step, 1e-2, 0.9, 0.999, 1e-8, 0.01, False, True)
+    for p, q in zip(params, expected):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch_fallback"])
+def test_state_dict_round_trip(request, native):
+    if native and not NATIVE:
+        pytest.skip("cpu_adam cannot be built here")
+    if not native:
+        request.getfixturevalue("no_native")
+    straight_params = make_params()
+    straight = DeepSpeedCPUAdam(straight_params, lr=1e-2, weight_decay=0.1)
+    run_steps(straight, straight_params, steps=10)
+
+    params = make_params()
+    first = DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1)
+    run_steps(first, params, steps=5)
+    saved_params = [p.detach().clone() for p in params]
+    saved = copy.deepcopy(first.state_dict())
+
+    resumed_params = [torch.nn.Parameter(p) for p in saved_params]
+    resumed = DeepSpeedCPUAdam(resumed_params, lr=1e-2, weight_decay=0.1)
+    resumed.load_state_dict(saved)
+    assert resumed.state[resumed_params[0]]["step"] == 5
+    run_steps_from(resumed, resumed_params, 5, skip=5)
+    for p, q in zip(resumed_params, straight_params):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def run_steps_from(opt, params, steps, skip):
+    """Like run_steps, but starting after `skip` steps' worth of gradients."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(skip):
+        for p in params:
+            torch.randn(p.shape, generator=gen)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+
+
+def test_amsgrad_is_rejected_with_the_fix():
+    with pytest.raises(ValueError, match="amsgrad=False"):
+        DeepSpeedCPUAdam(make_params(), amsgrad=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, key", [({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1.0}, "eps")]
+)
+def test_bad_hyperparameters_name_the_key(kwargs, key, no_native):
+    with pytest.raises(ValueError, match=key):
+        DeepSpeedCPUAdam(make_params(), **kwargs)
+
+
+def test_non_cpu_param_names_the_fix(no_native):
+    param = torch.nn.Parameter(torch.empty(4, device="meta"))
+    param.grad = torch.empty(4, device="meta")
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        DeepSpeedCPUAdam([param]).step()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_keep_fp32_states(dtype):
+    native_params, torch_params = make_params(dtype), make_params(dtype)
+    opt = DeepSpeedCPUAdam(native_params, lr=1e-2)
+    run_steps(opt, native_params, steps=5)
+    ref = DeepSpeedCPUAdam(torch_params, lr=1e-2)
+    ref._native = None  # the torch path, same math
+    run_steps(ref, torch_params, steps=5)
+    for p, q in zip(native_params, torch_params):
+        assert p.dtype == dtype and opt.state[p]["exp_avg"].dtype == torch.float32
+        torch.testing.assert_close(p, q, rtol=1e-2, atol=1e-2)  # at most an ulp of `dtype`
+        torch.testing.assert_close(
+            opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-7
+        )
+    reloaded = DeepSpeedCPUAdam(make_params(dtype), lr=1e-2)
+    reloaded.load_state_dict(opt.state_dict())
+    first = reloaded.param_groups[0]["params"][0]
+    assert reloaded.state[first]["exp_avg"].dtype == torch.float32
+
+
+def test_fp16_param_groups_receive_the_update():
+    params = make_params()
+    opt = DeepSpeedCPUAdam(params, lr=1e-2)
+    copies = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step(fp16_param_groups=[copies])
+    for p, c in zip(params, copies):
+        assert torch.equal(c, p.detach().to(torch.bfloat16))
+    with pytest.raises(ValueError, match="one copy per parameter"):
+        opt.step(fp16_param_groups=[copies[:1]])
+
+
+@needs_native
+def test_kernel_rejects_bad_tensors():
+    op = ALL_OPS["cpu_adam"].load()
+    good = [torch.zeros(8) for _ in range(4)]
+    with pytest.raises(RuntimeError, match="float32"):
+        op.adam_update(
+            torch.zeros(8, dtype=torch.float64), *good[1:], 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True
+        )
+    with pytest.raises(RuntimeError, match="elements"):
+        op.adam_update(torch.zeros(9), *good[1:], 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    with pytest.raises(RuntimeError, match="step must be"):
+        op.adam_update(*good, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+
+
+def test_fallback_warns_once(monkeypatch, no_native):
+    warnings = []
+    monkeypatch.setattr(builder.logger, "warning", lambda msg: warnings.append(msg))
+    DeepSpeedCPUAdam(make_params())
+    DeepSpeedCPUAdam(make_params())
+    assert len(warnings) == 1 and "disabled by the test" in warnings[0] and "pure-torch" in warnings[0]
+
+
+class BrokenBuilder(CPUAdamBuilder):
+    NAME = "ds_test_broken_op"
+
+    def __init__(self, root):
+        super().__init__()
+        self._root = root
+
+    def csrc_root(self):
+        return self._root
+
+
+@needs_native
+def test_failed_build_names_the_op_and_the_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    (tmp_path / "adam").mkdir()
+    (tmp_path / "adam" / "cpu_adam.cpp").write_text("this is not C++\n")
+    broken = BrokenBuilder(tmp_path)
+    assert not broken.is_built()
+    with pytest.raises(RuntimeError, match="ds_test_broken_op") as info:
+        broken.load()
+    log = broken.build_directory() / builder.ERROR_LOG_FILE
+    assert str(log) in str(info.value) and log.is_file()
+    with pytest.raises(RuntimeError, match="ds_test_broken_op"):  # cached: no second build
+        broken.load()
+
+
+def test_incompatible_builder_says_why():
+    op = IncompatibleBuilder()
+    assert not op.is_compatible() and not op.is_built()
+    with pytest.raises(RuntimeError, match="disabled by the test"):
+        op.load()
+    assert op.try_load() is None
+
+
+def test_import_compiles_nothing():
+    code = (
+        "import sys, deepspeed.ops, deepspeed.ops.op_builder as b; "
+        "assert 'torch.utils.cpp_extension' not in sys.modules; "
+        "import deepspeed.ops.adam; assert 'torch.utils.cpp_extension' not in sys.modules; "
+        "assert b.ALL_OPS['cpu_adam']._module is None"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

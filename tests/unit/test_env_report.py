@@ -1,0 +1,65 @@
+"""`ds_report` prints the op table and the environment, and honours its flags."""
+
+import re
+
+import pytest
+import torch
+
+import deepspeed
+from deepspeed import env_report
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.op_builder import ALL_OPS, CPUAdamBuilder
+
+
+def run_report(capsys, *argv):
+    assert env_report.main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def value_of(out, label):
+    match = re.search(rf"^{re.escape(label)} \.+ (.*)$", out, re.MULTILINE)
+    assert match is not None, f"no {label!r} line in:\n{out}"
+    return match.group(1)
+
+
+def test_general_info(capsys):
+    out = run_report(capsys, "--hide_operator_status")
+    assert value_of(out, "deepspeed version") == deepspeed.__version__
+    assert value_of(out, "torch version") == torch.__version__
+    assert value_of(out, "torch cuda version") == str(torch.version.cuda)
+    assert value_of(out, "deepspeed install path").endswith("deepspeed")
+    accel = get_accelerator()
+    assert value_of(out, "accelerator") == accel._name
+    assert value_of(out, "communication backend") == accel.communication_backend_name()
+    assert value_of(out, "device count") == str(accel.device_count())
+    assert "cpu_adam" not in out
+
+
+def test_op_table(capsys):
+    out = run_report(capsys)
+    op = ALL_OPS["cpu_adam"]
+    row = re.search(r"^cpu_adam\s+(\[\w+\])\s+(\[\w+\])", out, re.MULTILINE)
+    assert row is not None, out
+    assert row.group(1) == ("[YES]" if op.is_compatible() else "[NO]")
+    assert row.group(2) == ("[YES]" if op.is_built() else "[NO]")
+    assert value_of(out, "deepspeed version") == deepspeed.__version__
+
+
+class Incompatible(CPUAdamBuilder):
+    NAME = "ds_test_missing_op"
+
+    def incompatibility_reasons(self):
+        return ["no compiler in this test"]
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_incompatible_op_reasons_and_hiding(capsys, monkeypatch, hide):
+    monkeypatch.setitem(ALL_OPS, Incompatible.NAME, Incompatible())
+    out = run_report(capsys, *(["--hide_errors_and_warnings"] if hide else []))
+    assert re.search(rf"^{Incompatible.NAME}\s+\[NO\]\s+\[NO\]", out, re.MULTILINE), out
+    assert ("no compiler in this test" in out) is not hide
+
+
+def test_unknown_flag_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        env_report.main(["--no_such_flag"])
