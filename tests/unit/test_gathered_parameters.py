@@ -131,7 +131,9 @@ class TestGatherMechanics(DistributedTest):
         with deepspeed.zero.Init():
             a, b = nn.Linear(2, 2), nn.Linear(2, 2)
         plain = nn.Parameter(torch.ones(3))
-        gather = deepspeed.zero.GatheredParameters([b.weight, None, a.weight, plain, b.weight, torch.zeros(1)])
+        gather = deepspeed.zero.GatheredParameters(
+            [b.weight, None, a.weight, plain, b.weight, torch.zeros(1)]
+        )
         assert [p.ds_id for p in gather.params] == sorted([a.weight.ds_id, b.weight.ds_id])
         counter = CountingComm(monkeypatch)
         with deepspeed.zero.GatheredParameters([plain, None]):  # no ZeRO parameter: no collective

@@ -105,6 +105,26 @@ class TestInitParity(DistributedTest):
         dist.all_gather(everyone, full)
         assert all(torch.equal(full, other) for other in everyone)
 
+    def test_torch_transformer_parent_init_and_deepcopy(self):
+        """MultiheadAttention zeroes its child's bias after building it; the encoder deep-copies."""
+
+        def build():
+            torch.manual_seed(5)
+            layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0, batch_first=True)
+            return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+        reference = build()
+        with deepspeed.zero.Init():
+            model = build()
+        ids = [p.ds_id for p in model.parameters()]
+        assert len(set(ids)) == len(ids)  # copies got their own ds_ids
+        assert_equals_reference(model, reference)
+        bias = model.layers[0].self_attn.out_proj.bias
+        assert torch.all(gathered_copy(model)["layers.0.self_attn.out_proj.bias"] == 0)
+        with torch.no_grad():
+            bias.fill_(3.0)  # outside Init an in-place call on a partitioned parameter is a no-op
+        assert bias.ds_status is ZeroParamStatus.NOT_AVAILABLE
+
     def test_module_argument_converts_built_model(self):
         reference = build_reference()
         model = build_reference()
@@ -268,7 +288,9 @@ class TestInitRemoteDevice(DistributedTest):
         pp.restore_init_context()
         again = nn.Linear(4, 4)
         init.stop()
-        assert layer.weight.ds_param_type is ZeroParamType.REMOTE and layer.weight.ds_tensor.device.type == "cpu"
+        assert (
+            layer.weight.ds_param_type is ZeroParamType.REMOTE and layer.weight.ds_tensor.device.type == "cpu"
+        )
         assert not hasattr(plain.weight, "ds_id")
         assert again.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
 

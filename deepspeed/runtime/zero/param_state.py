@@ -59,6 +59,26 @@ class _IdCounter:
 PARAM_IDS = _IdCounter()
 
 
+class _InPlaceInitHook:
+    """Where Init puts its hook for in-place init methods on partitioned parameters.
+
+    [Note: a parent initializing a child's partitioned parameter]
+    A module's parameters are partitioned when its own `__init__` returns, but its parent may
+    initialize them afterwards: `nn.MultiheadAttention` builds `out_proj` and then zeroes
+    `out_proj.bias` through `nn.init.constant_`, i.e. `fill_`. On a partitioned parameter
+    that would write into an empty tensor and be lost. While an Init is active, the in-place
+    methods torch.nn.init relies on (`fill_`, `zero_`, `uniform_`, `normal_`) gather the
+    parameter, apply, and keep rank 0's result. Outside Init the hook is None: such a call
+    acts on whatever `param.data` holds, as upstream.
+    """
+
+    def __init__(self) -> None:
+        self.hook: Optional[Any] = None  # hook(param, method_name, args, kwargs) -> param
+
+
+IN_PLACE_INIT = _InPlaceInitHook()
+
+
 def _empty_like_data(param: torch.Tensor) -> torch.Tensor:
     # A shape-[0] placeholder with the parameter's dtype and device, as upstream leaves it.
     return torch.empty(0, dtype=param.dtype, device=param.device)
@@ -86,7 +106,9 @@ class ZeroParamState:
     sanity_checks: bool  # detect edits discarded by a modifier_rank=None gather
     external_owners: list  # modules this parameter is registered with as external
 
-    def __init__(self, param: nn.Parameter, group: Any, world_size: int, rank: int, remote_device=None) -> None:
+    def __init__(
+        self, param: nn.Parameter, group: Any, world_size: int, rank: int, remote_device=None
+    ) -> None:
         self.param = param
         self.ds_id = PARAM_IDS.next()
         self.shape = param.shape
@@ -104,6 +126,25 @@ class ZeroParamState:
         self.param_type = ZeroParamType.REMOTE if remote_device is not None else ZeroParamType.PARTITIONED
         self.sanity_checks = False
         self.external_owners = []
+
+    @classmethod
+    def copy_for(cls, source: ZeroParamState, param: nn.Parameter) -> ZeroParamState:
+        """State for a deep copy of `source`'s parameter: a new ds_id, a cloned shard, partitioned.
+
+        Deep copies happen in the same order on every rank (e.g. `nn.TransformerEncoder`
+        cloning its layer under Init), so the new ds_ids agree across ranks.
+        """
+        state = cls.__new__(cls)
+        state.__dict__.update(source.__dict__)
+        state.param = param
+        state.ds_id = PARAM_IDS.next()
+        state.shard = source.shard.clone()
+        state.status = ZeroParamStatus.NOT_AVAILABLE
+        state.holders = 0
+        state.active_sub_modules = set()
+        state.pending = None
+        state.external_owners = []
+        return state
 
     # ------------------------------------------------------------------ shard I/O
 
@@ -153,7 +194,9 @@ class ZeroParamState:
     def to_released(self) -> None:
         """Free the gathered tensor; only the shard remains."""
         self._require(ZeroParamStatus.AVAILABLE, "to_released")
-        assert self.holders == 0, f"[rank {self.rank}] ds_id={self.ds_id} released with {self.holders} holders"
+        assert self.holders == 0, (
+            f"[rank {self.rank}] ds_id={self.ds_id} released with {self.holders} holders"
+        )
         self.param.data = _empty_like_data(self.param)
         self.status = ZeroParamStatus.NOT_AVAILABLE
 
@@ -252,7 +295,9 @@ class ZeroParameter(nn.Parameter):
 
         return gather.fetch(params, async_op=True)
 
-    def partition(self, param_list: Optional[list] = None, has_been_updated: bool = False, free_data: bool = True):
+    def partition(
+        self, param_list: Optional[list] = None, has_been_updated: bool = False, free_data: bool = True
+    ):
         """Drop the hold taken by `all_gather()`; `has_been_updated=True` first writes edits back."""
         del free_data  # the last holder always frees: see gather.py's refcount note
         from deepspeed.runtime.zero import gather
@@ -263,6 +308,33 @@ class ZeroParameter(nn.Parameter):
         state = self._zero_state
         return f"ZeroParameter(ds_id={state.ds_id}, shape={tuple(state.shape)}, status={state.status.name})"
 
+    def _in_place(self, method: str, args: tuple, kwargs: dict):
+        hook = IN_PLACE_INIT.hook
+        if hook is None or self._zero_state.status is not ZeroParamStatus.NOT_AVAILABLE:
+            return getattr(torch.Tensor, method)(self, *args, **kwargs)
+        return hook(self, method, args, kwargs)
+
+    def fill_(self, *args, **kwargs):
+        return self._in_place("fill_", args, kwargs)
+
+    def zero_(self, *args, **kwargs):
+        return self._in_place("zero_", args, kwargs)
+
+    def uniform_(self, *args, **kwargs):
+        return self._in_place("uniform_", args, kwargs)
+
+    def normal_(self, *args, **kwargs):
+        return self._in_place("normal_", args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> ZeroParameter:
+        if id(self) in memo:
+            return memo[id(self)]
+        copy = nn.Parameter(_empty_like_data(self), requires_grad=self.requires_grad)
+        copy.__class__ = ZeroParameter
+        copy._zero_state = ZeroParamState.copy_for(self._zero_state, copy)
+        memo[id(self)] = copy
+        return copy
+
     def __reduce_ex__(self, protocol):
         # Pickle (and deepcopy) as a plain Parameter holding the gathered-or-empty data.
         return (nn.Parameter, (self.data.detach().clone(), self.requires_grad))
@@ -272,7 +344,9 @@ def is_zero_param(tensor: Any) -> bool:
     return isinstance(tensor, ZeroParameter)
 
 
-def make_zero_param(param: nn.Parameter, group: Any, world_size: int, rank: int, remote_device=None) -> ZeroParameter:
+def make_zero_param(
+    param: nn.Parameter, group: Any, world_size: int, rank: int, remote_device=None
+) -> ZeroParameter:
     """Attach state to `param` and switch its class (see the note); its full data stays in place."""
     state = ZeroParamState(param, group, world_size, rank, remote_device)
     param.__class__ = ZeroParameter

@@ -29,6 +29,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.lifecycle import LifecycleTracker, live_contexts
 from deepspeed.runtime.zero.param_state import (
+    IN_PLACE_INIT,
     ZeroParameter,
     ZeroParamStatus,
     ZeroParamType,
@@ -79,7 +80,9 @@ def _load_config(config_dict_or_path: Any) -> dict:
     if isinstance(config_dict_or_path, (str, os.PathLike)):
         path = os.fspath(config_dict_or_path)
         if not os.path.isfile(path):
-            raise ValueError(f"zero.Init: config_dict_or_path={path!r} is not a file; pass a dict or a JSON path")
+            raise ValueError(
+                f"zero.Init: config_dict_or_path={path!r} is not a file; pass a dict or a JSON path"
+            )
         with open(path) as f:
             try:
                 return json.load(f)
@@ -102,12 +105,10 @@ def _dtype_from_config(cfg: dict) -> torch.dtype:
 
 
 def _sanity_checks_from_config(cfg: dict) -> bool:
-    zero = cfg.get("zero_optimization") or {}
-    if not zero:
-        return False
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    # strict=False: HF enters Init before it resolves the config's "auto" values.
+    from deepspeed.runtime.zero.config import get_zero_config
 
-    return bool(DeepSpeedZeroConfig(**zero).enable_sanity_checks)
+    return bool(get_zero_config(cfg, strict=False).enable_sanity_checks)
 
 
 class _InitSettings:
@@ -178,13 +179,16 @@ class _InitStack:
         try:
             settings = self.innermost()
             if settings is None or self.paused:
+                IN_PLACE_INIT.hook = None
                 PATCHES.remove_all()
                 return
             if not PATCHES.modules.installed:
                 PATCHES.modules.install(_convert_built_module, _gathered_apply)
+                IN_PLACE_INIT.hook = _gathered_in_place
             # Looked up by name at each start: a client may have swapped the wrapper.
             PATCHES.factories.bind(globals()["zero_wrapper_for_fp_tensor_constructor"], settings.dtype)
         except BaseException:
+            IN_PLACE_INIT.hook = None
             PATCHES.remove_all()
             raise
 
@@ -192,6 +196,7 @@ class _InitStack:
         """For tests: forget every active Init and undo every patch."""
         self.active.clear()
         self.paused = False
+        IN_PLACE_INIT.hook = None
         PATCHES.remove_all()
 
 
@@ -259,6 +264,16 @@ def _gathered_apply(module: nn.Module, fn) -> nn.Module:
     return module
 
 
+def _gathered_in_place(param: ZeroParameter, method: str, args: tuple, kwargs: dict) -> ZeroParameter:
+    """An in-place init method on a partitioned parameter while Init is active (see param_state).
+
+    Every rank runs it, keeping RNG streams in step with a plain run; rank 0's result is kept.
+    """
+    with GatheredParameters(param, modifier_rank=0):
+        getattr(torch.Tensor, method)(param, *args, **kwargs)
+    return param
+
+
 # ============================================================================ Init
 
 
@@ -292,7 +307,9 @@ class Init:
         # for hierarchical partitioning (ZeRO++ hpZ), which we do not implement: ignored.
         del mem_efficient_linear, zero_param_parallel_group
         if zero_quantized_weights or zero_quantized_nontrainable_weights:
-            raise NotImplementedError("zero.Init: quantized weights (ZeRO++ qwZ) are not supported; pass False")
+            raise NotImplementedError(
+                "zero.Init: quantized weights (ZeRO++ qwZ) are not supported; pass False"
+            )
         if param_swapper is not None:
             raise NotImplementedError("zero.Init: param_swapper (NVMe offload) is not supported; pass None")
         if remote_device not in _SUPPORTED_REMOTE_DEVICES:
@@ -301,7 +318,9 @@ class Init:
                 "compute device) or 'cpu'"
             )
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"zero.Init: dtype={dtype!r} must be a floating torch.dtype such as torch.bfloat16")
+            raise ValueError(
+                f"zero.Init: dtype={dtype!r} must be a floating torch.dtype such as torch.bfloat16"
+            )
         cfg = _load_config(config_dict_or_path if config_dict_or_path is not None else config)
         self.enabled = enabled
         self.dtype = dtype if dtype is not None else _dtype_from_config(cfg)
@@ -386,7 +405,9 @@ class GatheredParameters:
     gathers of one parameter are reference-counted (see gather.py).
     """
 
-    def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None, enabled: bool = True):
+    def __init__(
+        self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None, enabled: bool = True
+    ):
         self.enabled = enabled
         self.modifier_rank = modifier_rank
         self._states = gather.zero_states(_as_param_list(params)) if enabled else []
@@ -400,13 +421,17 @@ class GatheredParameters:
 
     def _describe(self) -> str:
         flags = "" if self.enabled else ", enabled=False"
-        return f"GatheredParameters({len(self._states)} ZeRO params, modifier_rank={self.modifier_rank}{flags})"
+        return (
+            f"GatheredParameters({len(self._states)} ZeRO params, modifier_rank={self.modifier_rank}{flags})"
+        )
 
     def _check_modifier_rank(self, modifier_rank: Optional[int]) -> None:
         if modifier_rank is None:
             return
         if not isinstance(modifier_rank, int) or isinstance(modifier_rank, bool):
-            raise TypeError(f"GatheredParameters: modifier_rank={modifier_rank!r} must be an int rank or None")
+            raise TypeError(
+                f"GatheredParameters: modifier_rank={modifier_rank!r} must be an int rank or None"
+            )
         for s in self._states:
             if not 0 <= modifier_rank < s.world_size:
                 raise ValueError(
@@ -433,7 +458,9 @@ class GatheredParameters:
     def wait(self) -> None:
         """Complete an asynchronous `start(async_op=True)`."""
         if not self._tracker.active:
-            raise RuntimeError(f"{self._describe()}.wait() was called while it is not active; call start() first")
+            raise RuntimeError(
+                f"{self._describe()}.wait() was called while it is not active; call start() first"
+            )
         if self._handle is not None:
             self._handle.wait()
 
@@ -480,7 +507,9 @@ def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> N
     not partitioned (not ZeRO-3) needs nothing and is accepted as a no-op.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}")
+        raise TypeError(
+            f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}"
+        )
     if not isinstance(parameter, nn.Parameter):
         raise TypeError(
             f"register_external_parameter: parameter must be an nn.Parameter, got {type(parameter).__name__}"
@@ -497,7 +526,9 @@ def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> N
 def unregister_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:
     external = module.__dict__.get("_external_params", {})
     if not is_zero_param(parameter) or parameter.ds_id not in external:
-        raise ValueError(f"unregister_external_parameter: {parameter!r} is not registered with {type(module).__name__}")
+        raise ValueError(
+            f"unregister_external_parameter: {parameter!r} is not registered with {type(module).__name__}"
+        )
     del external[parameter.ds_id]
     owners = parameter._zero_state.external_owners
     owners[:] = [m for m in owners if m is not module]
