@@ -11,7 +11,9 @@ def _create_logger(name: str = "DeepSpeed") -> logging.Logger:
     log = logging.getLogger(name)
     if not log.handlers:  # idempotent when the module is re-imported in tests
         handler = logging.StreamHandler(stream=sys.stdout)
-        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d] %(message)s"))
+        handler.setFormatter(
+            logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d] %(message)s")
+        )
         log.addHandler(handler)
     log.setLevel(os.environ.get(LOG_LEVEL_ENV, "WARNING").upper())
     log.propagate = False

@@ -153,7 +153,16 @@ class _RankPool:
         self.stack_paths = [os.path.join(self.stack_dir, f"rank{r}.txt") for r in range(size)]
         self.procs = []
         for rank in range(size):
-            args = (rank, size, port, backend, init_dist, self.task_queues[rank], self.results, self.stack_paths[rank])
+            args = (
+                rank,
+                size,
+                port,
+                backend,
+                init_dist,
+                self.task_queues[rank],
+                self.results,
+                self.stack_paths[rank],
+            )
             proc = ctx.Process(target=_rank_main, args=args, daemon=True)
             proc.start()
             self.procs.append(proc)
@@ -192,7 +201,9 @@ class _RankPool:
         for rank in sorted(errors):
             lines.append(f"--- rank {rank} raised:\n{errors[rank]}")
         if missing:
-            lines.append(f"--- ranks {missing} did not finish (timeout {timeout_s:.0f}s or peer failure); stacks:")
+            lines.append(
+                f"--- ranks {missing} did not finish (timeout {timeout_s:.0f}s or peer failure); stacks:"
+            )
             for rank in missing:
                 lines.append(f"rank {rank}:\n{self._dump_stack(rank)}")
         return "\n".join(lines)

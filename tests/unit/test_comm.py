@@ -86,7 +86,11 @@ class TestFileInit(DistributedTest):
     def test_file_init(self, tmp_path):
         rank = int(os.environ["RANK"])
         dist.init_distributed(
-            dist_backend="gloo", init_method=f"file://{tmp_path}/rendezvous", rank=rank, world_size=2, verbose=False
+            dist_backend="gloo",
+            init_method=f"file://{tmp_path}/rendezvous",
+            rank=rank,
+            world_size=2,
+            verbose=False,
         )
         t = torch.ones(1)
         dist.all_reduce(t)

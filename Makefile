@@ -1,0 +1,34 @@
+# One command each: `make setup`, `make demo`, `make test`, `make lint`, `make bench`.
+# Every target sets up its own virtual environment first, so each works on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements/requirements.txt requirements/requirements-dev.txt setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -r requirements/requirements-dev.txt
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+# The main job: ZeRO-3 on 2 CPU processes (gloo), through our own launcher.
+demo: setup
+	$(VENV)/bin/deepspeed --num_procs 2 examples/zero3_demo.py
+
+test: setup
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check deepspeed tests benchmarks examples
+	$(VENV)/bin/ruff format --check deepspeed tests benchmarks examples
+
+bench: setup
+	$(PY) benchmarks/bench_gather.py
+	$(PY) benchmarks/bench_init_memory.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
