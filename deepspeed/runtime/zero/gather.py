@@ -19,7 +19,8 @@ because parameters are sorted by `ds_id`, which is equal on all ranks.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 
@@ -50,6 +51,15 @@ def _buckets_by_group_and_dtype(states: list) -> list:
     return list(buckets.values())
 
 
+def _all_gather_shards(states: list, device: torch.device, async_op: bool) -> tuple:
+    """One all-gather of the concatenated shards of `states` (one group and dtype): (output, handle)."""
+    shards = [s.shard.to(device, non_blocking=True) for s in states]
+    flat_in = shards[0] if len(shards) == 1 else torch.cat(shards)
+    flat_out = torch.empty(states[0].world_size * flat_in.numel(), dtype=flat_in.dtype, device=device)
+    handle = dist.all_gather_into_tensor(flat_out, flat_in, group=states[0].group, async_op=async_op)
+    return flat_out, handle
+
+
 class _GatherBucket:
     """One coalesced all-gather for parameters of one (group, dtype); `wait()` installs them."""
 
@@ -64,11 +74,7 @@ class _GatherBucket:
         self.done = False
 
     def issue(self, device: torch.device) -> None:
-        first = self.states[0]
-        shards = [s.shard.to(device, non_blocking=True) for s in self.states]
-        flat_in = shards[0] if len(shards) == 1 else torch.cat(shards)
-        self.flat_out = torch.empty(first.world_size * flat_in.numel(), dtype=flat_in.dtype, device=device)
-        self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=first.group, async_op=True)
+        self.flat_out, self._work = _all_gather_shards(self.states, device, async_op=True)
         for s in self.states:
             s.to_inflight(self)
 
@@ -76,20 +82,41 @@ class _GatherBucket:
         if self.done:
             return  # another holder waited on this bucket already
         self._work.wait()
-        world = self.states[0].world_size
-        rows = self.flat_out.view(world, -1)
-        # With one rank, every cut below is a view into the shared output: copy so that each
-        # parameter owns (and frees) its own storage.
-        shared_views = world == 1 and len(self.states) > 1
-        offset = 0
-        for s in self.states:
-            piece = rows[:, offset : offset + s.partition_size].reshape(-1)[: s.numel]
-            if shared_views:
-                piece = piece.clone()
-            s.to_available(piece.view(s.shape))
-            offset += s.partition_size
+        for s, full in zip(self.states, _cut_full_tensors(self.flat_out, self.states)):
+            s.to_available(full)
         self.flat_out = None
         self.done = True
+
+
+def _cut_full_tensors(flat_out: torch.Tensor, states: list) -> list:
+    """Each state's full tensor (its shape) out of a rank-major coalesced all-gather output."""
+    world = states[0].world_size
+    rows = flat_out.view(world, -1)
+    # With one rank, every cut is a view into the shared output: copy so that each parameter
+    # owns (and frees) its own storage.
+    shared_views = world == 1 and len(states) > 1
+    fulls, offset = [], 0
+    for s in states:
+        piece = rows[:, offset : offset + s.partition_size].reshape(-1)[: s.numel]
+        fulls.append((piece.clone() if shared_views else piece).view(s.shape))
+        offset += s.partition_size
+    return fulls
+
+
+def refresh_gathered(states: list) -> None:
+    """Re-gather AVAILABLE tensors from their (updated) shards, in place: one collective per bucket.
+
+    After an optimizer step, parameters that stay gathered (persistent ones, or ones a live
+    holder keeps) must see the new shards.
+    """
+    live = [s for s in states if s.status is ZeroParamStatus.AVAILABLE]
+    if not live:
+        return
+    device = _compute_device()
+    for bucket in _buckets_by_group_and_dtype(live):
+        flat_out, _ = _all_gather_shards(bucket, device, async_op=False)
+        for s, full in zip(bucket, _cut_full_tensors(flat_out, bucket)):
+            s.param.data.copy_(full)
 
 
 class GatherHandle:

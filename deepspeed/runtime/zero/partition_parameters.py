@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -104,6 +105,19 @@ def _dtype_from_config(cfg: dict) -> torch.dtype:
     return torch.float32
 
 
+def _offload_from_config(cfg: dict, pin_memory: bool) -> tuple:
+    """`(remote_device, pin_memory)` from `zero_optimization.offload_param`, as upstream reads it."""
+    offload = (cfg.get("zero_optimization") or {}).get("offload_param") or {}
+    device = offload.get("device", "none")
+    if device == "nvme":
+        raise ValueError(
+            "zero_optimization.offload_param.device='nvme' is not supported by zero.Init; use 'cpu' or 'none'"
+        )
+    if device == "cpu":
+        return "cpu", bool(offload.get("pin_memory", pin_memory))
+    return None, pin_memory
+
+
 def _sanity_checks_from_config(cfg: dict) -> bool:
     # strict=False: HF enters Init before it resolves the config's "auto" values.
     from deepspeed.runtime.zero.config import get_zero_config
@@ -159,7 +173,11 @@ class _InitStack:
 
     def push(self, init: Init, settings: _InitSettings) -> None:
         self.active.append((init, settings))
-        self.sync_patches()
+        try:
+            self.sync_patches()
+        except BaseException:
+            self.active.pop()
+            raise
 
     def check_top(self, init: Init) -> None:
         top = self.active[-1][0] if self.active else None
@@ -322,6 +340,8 @@ class Init:
                 f"zero.Init: dtype={dtype!r} must be a floating torch.dtype such as torch.bfloat16"
             )
         cfg = _load_config(config_dict_or_path if config_dict_or_path is not None else config)
+        if remote_device is None:
+            remote_device, pin_memory = _offload_from_config(cfg, pin_memory)
         self.enabled = enabled
         self.dtype = dtype if dtype is not None else _dtype_from_config(cfg)
         self.remote_device = remote_device
@@ -388,7 +408,7 @@ def _as_param_list(params: Any) -> list:
         return []
     if isinstance(params, torch.Tensor):
         return [params]
-    if isinstance(params, Iterable):
+    if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
         return [p for p in params if isinstance(p, torch.Tensor)]
     raise TypeError(
         f"GatheredParameters: params must be a tensor or an iterable of tensors, got {type(params).__name__}"
@@ -410,7 +430,8 @@ class GatheredParameters:
     ):
         self.enabled = enabled
         self.modifier_rank = modifier_rank
-        self._states = gather.zero_states(_as_param_list(params)) if enabled else []
+        candidates = _as_param_list(params)  # validated even when disabled: misuse is loud
+        self._states = gather.zero_states(candidates) if enabled else []
         self._handle: Optional[gather.GatherHandle] = None
         if self._states:
             self._check_modifier_rank(modifier_rank)

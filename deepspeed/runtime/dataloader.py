@@ -1,0 +1,54 @@
+"""`DeepSpeedDataLoader`: each rank reads its own strided share of the data set, per micro-batch."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from deepspeed import comm as dist
+
+
+class RankShardSampler(Sampler):
+    """Indices `rank, rank + world, ...` of a (per-epoch seeded) permutation; equal counts per rank."""
+
+    def __init__(self, size: int, rank: int, world: int, shuffle: bool = True, seed: int = 0) -> None:
+        self.size, self.rank, self.world = size, rank, world
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.per_rank = size // world  # drop the ragged tail so that every rank steps equally
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.size, generator=generator).tolist()
+        else:
+            order = list(range(self.size))
+        return iter(order[self.rank : self.per_rank * self.world : self.world])
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+
+class DeepSpeedDataLoader:
+    """Iterates micro-batches of this rank's share; `len()` is the number of micro-batches."""
+
+    def __init__(
+        self, dataset: Any, micro_batch_size: int, collate_fn: Optional[Any] = None, shuffle: bool = True
+    ):
+        self.sampler = RankShardSampler(len(dataset), dist.get_rank(), dist.get_world_size(), shuffle)
+        self.loader = DataLoader(
+            dataset, batch_size=micro_batch_size, sampler=self.sampler, collate_fn=collate_fn
+        )
+        self.epoch = 0
+
+    def __iter__(self):
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)

@@ -1,0 +1,217 @@
+"""The stage-3 optimizer: fp32 master shards, sharded steps, global-norm clipping, loss scaling.
+
+[Note: master shards]
+Each trainable ZeRO parameter gets an fp32 master copy of this rank's shard, an
+`nn.Parameter` of `partition_size` elements whose `.grad` is the fp32 gradient shard the
+`GradientReducer` accumulates into. The wrapped torch optimizer sees only masters, so its
+state (Adam moments) is sharded too. After a step the masters are cast back into the
+parameters' shards; parameters that stay gathered are then re-gathered.
+
+A client optimizer keeps its identity (and any scheduler built on it): its param groups'
+`params` are swapped from the model's parameters to the masters, and its state is reset.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from deepspeed import comm as dist
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+from deepspeed.runtime.zero.param_state import ZeroParamState, is_zero_param
+
+# Keys of the config's optimizer params that are upstream options, not torch arguments.
+_UPSTREAM_ONLY_KEYS = (
+    "torch_adam",
+    "adam_w_mode",
+    "fused",
+    "cuda_aware",
+    "comm_backend_name",
+    "legacy_fusion",
+)
+
+
+def build_config_optimizer(name: str, params: dict, groups: list) -> torch.optim.Optimizer:
+    """A torch optimizer from the config's `optimizer` block (`type` Adam, AdamW or SGD)."""
+    kwargs = {k: v for k, v in (params or {}).items() if k not in _UPSTREAM_ONLY_KEYS}
+    name = (name or "").lower()
+    if name == "adam":
+        # Upstream's Adam defaults to decoupled weight decay (adam_w_mode=True), i.e. AdamW.
+        adam_w = (params or {}).get("adam_w_mode", True)
+        return (torch.optim.AdamW if adam_w else torch.optim.Adam)(groups, **kwargs)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, **kwargs)
+    if name == "sgd":
+        return torch.optim.SGD(groups, **kwargs)
+    if name in ("cpuadam", "deepspeedcpuadam"):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, **kwargs)
+    raise ValueError(
+        f"optimizer.type={name!r} is not supported; use Adam, AdamW, SGD or CPUAdam, or pass a torch "
+        "optimizer to deepspeed.initialize(optimizer=...)"
+    )
+
+
+def _param_groups(module: nn.Module, model_parameters: Any) -> list:
+    """Groups as dicts with `params` lists, from `model_parameters` or the module's parameters."""
+    source = list(model_parameters) if model_parameters is not None else list(module.parameters())
+    if source and isinstance(source[0], dict):
+        return [dict(g, params=list(g["params"])) for g in source]
+    return [{"params": source}]
+
+
+class ZeroStage3Optimizer:
+    """Steps fp32 master shards; `param_groups` and `state` are the wrapped optimizer's."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Any,
+        client_optimizer: Any = None,
+        model_parameters: Any = None,
+        master_device: Optional[torch.device] = None,
+    ) -> None:
+        self.config = config
+        self.group = None
+        self.masters: dict = {}  # ds_id -> fp32 master nn.Parameter [partition_size]
+        self.states: list = []  # trainable ZeroParamStates, in parameter order
+        groups = self._master_groups(_param_groups(module, model_parameters), master_device)
+        self.optimizer = self._wrap_optimizer(client_optimizer, groups)
+        self.loss_scaler = CreateLossScaler(
+            torch.float16 if config.fp16_enabled else torch.float32,
+            config.loss_scale,
+            config.fp16_enabled and config.loss_scale == 0,
+            config.dynamic_loss_scale_args,
+        )
+        self.overflow = False
+        self.clip = float(config.gradient_clipping or 0.0)
+        self._global_grad_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _master_groups(self, groups: list, master_device: Optional[torch.device]) -> list:
+        seen: set = set()
+        out = []
+        for group in groups:
+            masters = []
+            for p in group["params"]:
+                if not is_zero_param(p):
+                    raise ValueError(
+                        f"optimizer parameter {p.shape} is not a ZeRO-3 parameter; build the engine first"
+                    )
+                if not p.requires_grad or p.ds_id in seen:
+                    continue
+                seen.add(p.ds_id)
+                masters.append(self._make_master(p._zero_state, master_device))
+            out.append(dict(group, params=masters))
+        return out
+
+    def _make_master(self, state: ZeroParamState, device: Optional[torch.device]) -> nn.Parameter:
+        master = nn.Parameter(state.shard.detach().to(device or state.shard.device, torch.float32, copy=True))
+        master.grad = torch.zeros_like(master)
+        self.masters[state.ds_id] = master
+        self.states.append(state)
+        self.group = state.group
+        return master
+
+    def _wrap_optimizer(self, client: Any, groups: list) -> torch.optim.Optimizer:
+        if client is None:
+            return build_config_optimizer(self.config.optimizer_name, self.config.optimizer_params, groups)
+        if callable(client) and not isinstance(client, torch.optim.Optimizer):
+            return client(groups)  # upstream accepts a callable that builds the optimizer
+        if len(client.param_groups) != len(groups):
+            raise ValueError(
+                f"the client optimizer has {len(client.param_groups)} param groups but model_parameters "
+                f"gives {len(groups)}; build it on the same groups"
+            )
+        for target, group in zip(client.param_groups, groups):
+            target["params"] = group["params"]
+        client.state.clear()
+        return client
+
+    # ------------------------------------------------------------------ what the engine calls
+
+    def grad_shard(self, state: ZeroParamState) -> torch.Tensor:
+        return self.masters[state.ds_id].grad
+
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        del set_to_none  # the gradient shards are reused buffers
+        for master in self.masters.values():
+            master.grad.zero_()
+
+    def _global_norm(self) -> float:
+        local = torch.zeros(1, dtype=torch.float64)
+        for master in self.masters.values():
+            local += master.grad.double().pow(2).sum().cpu()
+        dist.all_reduce(local, group=self.group)
+        return math.sqrt(local.item())
+
+    def _has_overflow(self) -> bool:
+        local = torch.zeros(1)
+        for master in self.masters.values():
+            if not torch.isfinite(master.grad).all():
+                local.fill_(1.0)
+                break
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(local.item())
+
+    def step(self) -> bool:
+        """Unscale, check overflow, clip, step, and write masters back. False if skipped."""
+        scale = self.loss_scaler.loss_scale
+        self.overflow = self.config.fp16_enabled and self._has_overflow()
+        if self.overflow:
+            self.loss_scaler.update_scale(True)
+            self._global_grad_norm = None
+            return False
+        norm = self._global_norm() / scale
+        self._global_grad_norm = norm
+        factor = 1.0 / scale
+        if self.clip > 0 and norm > self.clip:
+            factor *= self.clip / (norm + 1e-6)
+        if factor != 1.0:
+            for master in self.masters.values():
+                master.grad.mul_(factor)
+        self.optimizer.step()
+        self._write_back_masters()
+        self.loss_scaler.update_scale(False)
+        return True
+
+    @torch.no_grad()
+    def _write_back_masters(self) -> None:
+        for state in self.states:
+            state.shard.copy_(self.masters[state.ds_id].data)
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self._global_grad_norm
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "overflow": self.overflow,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.loss_scaler.load_state_dict(sd["loss_scaler"])
+        self.overflow = sd.get("overflow", False)

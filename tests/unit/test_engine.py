@@ -1,0 +1,286 @@
+"""The stage-3 engine on spawned gloo groups against a single-process torch reference."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.param_state import ZeroParamStatus
+from tests.unit.common import DistributedTest
+
+VOCAB, WIDTH, SEQ, GLOBAL_BATCH = 23, 12, 5, 8
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.up = nn.Linear(WIDTH, 3 * WIDTH + 1)  # odd sizes exercise padding
+        self.down = nn.Linear(3 * WIDTH + 1, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        h = self.norm(h + self.down(torch.nn.functional.gelu(self.up(h))))
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def batches(steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen),
+            torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+
+
+def my_slice(tensor, micro_index=0, gas=1):
+    """This rank's rows of a global batch, for micro-step `micro_index` of `gas`."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    per = GLOBAL_BATCH // (ws * gas)
+    start = (micro_index * ws + rank) * per
+    return tensor[start : start + per]
+
+
+def config(gas=1, clip=0.0, lr=3e-3, **extra):
+    micro = GLOBAL_BATCH // (dist.get_world_size() * gas)
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "torch_adam": True}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 300},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def reference_run(data, lr=3e-3, clip=0.0):
+    torch.manual_seed(42)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    losses = []
+    for ids, labels in data:
+        loss = model(ids, labels)
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def engine_run(data, gas=1, clip=0.0, build_under_init=False, **extra):
+    torch.manual_seed(42)
+    cfg = config(gas=gas, clip=clip, **extra)
+    init = deepspeed.zero.Init(config_dict_or_path=cfg, enabled=build_under_init).start()
+    model = TinyLM()
+    init.stop()
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=cfg)
+    losses = []
+    for ids, labels in data:
+        step_loss = 0.0
+        for micro in range(gas):
+            loss = engine(my_slice(ids, micro, gas), my_slice(labels, micro, gas))
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach()
+        total = step_loss / gas
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    return engine, losses
+
+
+def gathered_params(model):
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone().float() for n, p in model.named_parameters()}
+
+
+def assert_parity(engine, losses, reference, ref_losses):
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    got = gathered_params(engine.module)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=5e-5, msg=name)
+
+
+class TestEngineParity(DistributedTest):
+    world_size = [1, 2, 4]
+
+    def test_adamw_matches_single_process(self):
+        data = batches(10)
+        reference, ref_losses = reference_run(data)
+        engine, losses = engine_run(data)
+        assert_parity(engine, losses, reference, ref_losses)
+        assert engine.global_steps == 10
+        # after step() nothing stays gathered (persistence threshold 0)
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+        assert all(p._zero_state.holders == 0 for p in engine.module.parameters())
+
+    def test_gradient_accumulation_and_clipping(self):
+        data = batches(10, seed=1)
+        reference, ref_losses = reference_run(data, clip=0.5)
+        engine, losses = engine_run(data, gas=2, clip=0.5, build_under_init=True)
+        assert_parity(engine, losses, reference, ref_losses)
+        assert engine.global_steps == 10 and engine.micro_steps == 20
+        assert engine.get_global_grad_norm() > 0
+
+    def test_sharded_memory_is_one_nth(self):
+        engine, _ = engine_run(batches(1))
+        ws = dist.get_world_size()
+        params = list(engine.module.parameters())
+        full = sum(p.ds_numel for p in params)
+        pad = sum(p.padding_size() for p in params)
+        local_params = sum(p.ds_tensor.numel() for p in params)
+        masters = engine.optimizer.masters.values()
+        local_grads = sum(m.grad.numel() for m in masters)
+        local_state = sum(
+            t.numel() for s in engine.optimizer.state.values() for t in s.values() if t.dim() > 0
+        )
+        assert local_params * ws == full + pad
+        assert local_grads == local_params and local_state == 2 * local_params  # Adam: two moments
+        assert all(p.grad is None for p in params)  # full gradients were freed once reduced
+
+
+class TestEngineFeatures(DistributedTest):
+    world_size = [2]
+
+    def test_bf16_tracks_fp32(self):
+        data = batches(6, seed=3)
+        _, fp32_losses = engine_run(data)
+        engine, bf16_losses = engine_run(data, bf16={"enabled": True})
+        assert next(engine.module.parameters()).ds_tensor.dtype == torch.bfloat16
+        assert all(m.dtype == torch.float32 for m in engine.optimizer.masters.values())
+        torch.testing.assert_close(torch.tensor(bf16_losses), torch.tensor(fp32_losses), rtol=0.03, atol=0.03)
+        assert bf16_losses[-1] < bf16_losses[0]
+
+    def test_fp16_overflow_skips_step_and_lowers_scale(self):
+        cfg = config(
+            fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
+        )
+        torch.manual_seed(0)
+        engine, optimizer, _, _ = deepspeed.initialize(model=TinyLM(), config=cfg)
+        ids, labels = batches(1)[0]
+        scale = optimizer.loss_scale
+        before = gathered_params(engine.module)
+        loss = engine(my_slice(ids), my_slice(labels))
+        engine.backward(loss * float("inf"))  # every gradient overflows
+        engine.step()
+        assert optimizer.overflow and optimizer.loss_scale == scale / 2
+        after = gathered_params(engine.module)
+        assert all(torch.equal(before[n], after[n]) for n in before)  # the step was skipped
+        for _ in range(2):
+            engine.backward(engine(my_slice(ids), my_slice(labels)))
+            engine.step()
+        assert not optimizer.overflow and optimizer.loss_scale == scale  # grew back after the window
+
+    def test_inference_without_optimizer(self):
+        torch.manual_seed(42)
+        reference = TinyLM()
+        model = copy.deepcopy(reference)
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        }
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, config=cfg)
+        assert optimizer is None
+        ids, labels = batches(1)[0]
+        with torch.no_grad():
+            assert torch.equal(engine(ids, labels), reference(ids, labels))
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
+        with pytest.raises(RuntimeError, match="needs an optimizer"):
+            engine.step()
+
+    def test_gathered_parameters_live_across_forward(self):
+        engine, _ = engine_run(batches(1))
+        head = engine.module.head
+        gather = deepspeed.zero.GatheredParameters(head.weight).start()
+        ids, labels = batches(1, seed=9)[0]
+        loss = engine(my_slice(ids), my_slice(labels))  # the engine is a second holder
+        assert head.weight.ds_status is ZeroParamStatus.AVAILABLE  # our hold keeps it
+        engine.backward(loss)
+        engine.step()
+        gather.stop()
+        assert head.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+
+    def test_external_parameter_tied_weights(self):
+        class Tied(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(VOCAB, WIDTH)
+                self.proj = nn.Linear(WIDTH, WIDTH)
+
+            def forward(self, ids, labels):
+                logits = self.proj(self.embed(ids)) @ self.embed.weight.t()  # used outside its owner
+                return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+        def build():
+            torch.manual_seed(3)
+            return Tied()
+
+        reference = build()
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.01)
+        with deepspeed.zero.Init():
+            model = build()
+        deepspeed.zero.register_external_parameter(model, model.embed.weight)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config())
+        for ids, labels in batches(3, seed=4):
+            loss = engine(my_slice(ids), my_slice(labels))
+            engine.backward(loss)
+            engine.step()
+            ref_loss = reference(ids, labels)
+            ref_opt.zero_grad()
+            ref_loss.backward()
+            ref_opt.step()
+        got = gathered_params(model)
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=5e-5, msg=name)
+
+    def test_client_optimizer_scheduler_and_persistence(self):
+        torch.manual_seed(0)
+        model = TinyLM()
+        client = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        cfg = config(
+            scheduler={
+                "type": "WarmupLR",
+                "params": {
+                    "warmup_min_lr": 0.0,
+                    "warmup_max_lr": 0.1,
+                    "warmup_num_steps": 4,
+                    "warmup_type": "linear",
+                },
+            }
+        )
+        del cfg["optimizer"]
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 50
+        engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=client, config=cfg)
+        assert optimizer.optimizer is client and scheduler is not None
+        small = [p for p in model.parameters() if p.ds_numel < 50]
+        assert small and all(p.ds_persist and p.ds_status is ZeroParamStatus.AVAILABLE for p in small)
+        ids, labels = batches(1)[0]
+        for _ in range(2):
+            engine.backward(engine(my_slice(ids), my_slice(labels)))
+            engine.step()
+        assert engine.get_lr() == [pytest.approx(0.1 * 1 / 4)]  # two steps: iterations 0 and 1
+        # persistent parameters stay gathered and equal their updated shards
+        full = gathered_params(model)
+        for name, p in model.named_parameters():
+            if p.ds_persist:
+                assert torch.equal(p.data.float(), full[name])
+        large = [p for p in model.parameters() if not p.ds_persist]
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in large)
+
+
+class TestInitializeMisuse:
+    def test_missing_config_and_model(self):
+        with pytest.raises(ValueError, match="no config"):
+            deepspeed.initialize(model=nn.Linear(2, 2))
+        with pytest.raises(ValueError, match="model is required"):
+            deepspeed.initialize(config={"train_micro_batch_size_per_gpu": 1})
