@@ -4,8 +4,9 @@
 
 It builds a small transformer with `zero.Init(...).start()` / `stop()`, checks that the
 partitioned model equals the same-seed plain model, edits a weight once with
-`GatheredParameters(..., modifier_rank=0).start()` / `stop()`, and prints per-rank
-parameter memory.
+`GatheredParameters(..., modifier_rank=0).start()` / `stop()`, then trains it a few steps
+with the stage-3 engine (`deepspeed.initialize`), printing the loss and each rank's bytes
+of parameters, gradients and optimizer state.
 """
 
 import argparse
@@ -18,10 +19,11 @@ import deepspeed.comm as dist
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 4,
-    "zero_optimization": {"stage": 3},
+    # Parameters under 64 elements stay gathered; the rest are gathered per submodule.
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 64},
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
 }
-VOCAB, WIDTH, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 16
+VOCAB, WIDTH, HEADS, LAYERS, SEQ, STEPS = 64, 32, 4, 2, 16, 10
 
 
 class TinyTransformer(nn.Module):
@@ -29,7 +31,9 @@ class TinyTransformer(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.pos = nn.Parameter(torch.zeros(SEQ, WIDTH))
-        layer = nn.TransformerEncoderLayer(WIDTH, HEADS, dim_feedforward=2 * WIDTH, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            WIDTH, HEADS, dim_feedforward=2 * WIDTH, dropout=0.0, batch_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
         self.head = nn.Linear(WIDTH, VOCAB)
 
@@ -53,8 +57,12 @@ def build(zero3: bool) -> nn.Module:
 
 def param_bytes(model: nn.Module) -> tuple:
     """(bytes this rank stores, bytes of the whole model)."""
-    local = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in model.parameters())
-    full = sum((p.ds_numel if hasattr(p, "ds_numel") else p.numel()) * p.element_size() for p in model.parameters())
+    local = sum(
+        (p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in model.parameters()
+    )
+    full = sum(
+        (p.ds_numel if hasattr(p, "ds_numel") else p.numel()) * p.element_size() for p in model.parameters()
+    )
     return local, full
 
 
@@ -75,12 +83,35 @@ def main():
         net.head.bias.data.zero_()
         gather.stop()
     with deepspeed.zero.GatheredParameters(model.head.bias):
-        rank0_print(f"GatheredParameters(...).start()/stop() edit kept: {bool(torch.all(model.head.bias == 0))}")
+        rank0_print(
+            f"GatheredParameters(...).start()/stop() edit kept: {bool(torch.all(model.head.bias == 0))}"
+        )
 
-    local, full = param_bytes(model)
-    print(f"rank {dist.get_rank()}: parameter bytes {local} of {full} ({local / full:.2f} of the model)", flush=True)
     if not same:
         raise SystemExit("partitioned model differs from the reference")
+
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=CONFIG)
+    generator = torch.Generator().manual_seed(1234 + dist.get_rank())  # each rank its own data
+    ids = torch.randint(0, VOCAB, (CONFIG["train_micro_batch_size_per_gpu"], SEQ + 1), generator=generator)
+    for step in range(STEPS):  # a fixed batch: the loss falls as the model memorizes it
+        logits = engine(ids[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        rank0_print(f"step {step + 1}/{STEPS}: loss {mean.item() / dist.get_world_size():.4f}")
+
+    local, full = param_bytes(model)
+    grads = sum(m.grad.numel() * m.grad.element_size() for m in optimizer.masters.values())
+    states = sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim()
+    )
+    print(
+        f"rank {dist.get_rank()}: parameters {local} of {full} bytes ({local / full:.2f} of the model), "
+        f"fp32 gradient shards {grads} bytes, optimizer state {states} bytes",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from deepspeed import comm as dist
+from deepspeed.runtime.checkpointing import CheckpointMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
@@ -35,7 +36,7 @@ def _train_dtype(config: DeepSpeedConfig) -> torch.dtype:
     return torch.float32
 
 
-class DeepSpeedEngine(nn.Module):
+class DeepSpeedEngine(CheckpointMixin, nn.Module):
     """What `deepspeed.initialize` returns: call it like the model, then `backward` and `step`."""
 
     def __init__(
@@ -134,7 +135,11 @@ class DeepSpeedEngine(nn.Module):
     # ------------------------------------------------------------------ training
 
     def forward(self, *args, **kwargs):
-        output = self.module(*args, **kwargs)
+        self.coordinator.activate()
+        try:
+            output = self.module(*args, **kwargs)
+        finally:
+            self.coordinator.deactivate()
         if not torch.is_grad_enabled() or self.optimizer is None:
             self.coordinator.end_pass()  # no backward will close this pass
         return output

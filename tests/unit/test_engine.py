@@ -243,6 +243,47 @@ class TestEngineFeatures(DistributedTest):
         for name, p in reference.named_parameters():
             torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=5e-5, msg=name)
 
+    def test_parameters_used_outside_their_module(self):
+        """nn.MultiheadAttention reads out_proj.weight without calling out_proj."""
+
+        class Encoder(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(VOCAB, 8)
+                self.layer = nn.TransformerEncoderLayer(
+                    8, 2, dim_feedforward=16, dropout=0.0, batch_first=True
+                )
+                self.head = nn.Linear(8, VOCAB)
+
+            def forward(self, ids, labels):
+                logits = self.head(self.layer(self.embed(ids)))
+                return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+        torch.manual_seed(11)
+        reference = Encoder()
+        model = copy.deepcopy(reference)
+        # SGD: the key bias's true gradient is zero, and Adam would blow its rounding noise up.
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        cfg = config(optimizer={"type": "SGD", "params": {"lr": 0.1}})
+        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)
+        for ids, labels in batches(3, seed=12):
+            engine.backward(engine(my_slice(ids), my_slice(labels)))
+            engine.step()
+            ref_opt.zero_grad()
+            reference(ids, labels).backward()
+            ref_opt.step()
+        got = gathered_params(model)
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=5e-5, msg=name)
+        from deepspeed.runtime.zero.partition_parameters import external_parameters
+
+        mha = model.layer.self_attn
+        assert {p.ds_id for p in external_parameters(mha)} == {
+            mha.out_proj.weight.ds_id,
+            mha.out_proj.bias.ds_id,
+        }
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
+
     def test_client_optimizer_scheduler_and_persistence(self):
         torch.manual_seed(0)
         model = TinyLM()
@@ -276,6 +317,40 @@ class TestEngineFeatures(DistributedTest):
                 assert torch.equal(p.data.float(), full[name])
         large = [p for p in model.parameters() if not p.ds_persist]
         assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in large)
+
+
+class TestPrefetch(DistributedTest):
+    world_size = [2]
+
+    def test_trace_drives_prefetch_without_changing_results(self, monkeypatch):
+        data = batches(4, seed=5)
+        _, no_prefetch = engine_run(
+            data,
+            zero_optimization={
+                "stage": 3,
+                "stage3_prefetch_bucket_size": 0,
+                "stage3_param_persistence_threshold": 0,
+            },
+        )
+        engine, with_prefetch = engine_run(data)
+        assert with_prefetch == no_prefetch  # prefetching changes timing, never values
+        prefetcher = engine.coordinator.prefetcher
+        assert not prefetcher.recording and prefetcher.trace and prefetcher.prefetched > 0
+        assert prefetcher.held == {}  # every prefetched hold was handed over or released
+
+        # with a trace, a step waits on far fewer synchronous gathers
+        waits = []
+        original = deepspeed.comm.all_gather_into_tensor
+
+        def counting(out, inp, group=None, async_op=False):
+            waits.append(async_op)
+            return original(out, inp, group=group, async_op=async_op)
+
+        monkeypatch.setattr(deepspeed.comm, "all_gather_into_tensor", counting)
+        ids, labels = data[0]
+        engine.backward(engine(my_slice(ids), my_slice(labels)))
+        engine.step()
+        assert waits and sum(waits) >= len(waits) // 2  # most gathers were issued ahead, async
 
 
 class TestInitializeMisuse:

@@ -271,6 +271,10 @@ class TestGatherMisuse:
             gather.wait()
         with pytest.raises(TypeError, match="got int"):
             deepspeed.zero.GatheredParameters(3)
+        with pytest.raises(TypeError, match="got int"):
+            deepspeed.zero.GatheredParameters(3, enabled=False)  # checked even when disabled
+        with pytest.raises(TypeError, match="got str"):
+            deepspeed.zero.GatheredParameters("weight")
 
     def test_leak_warning(self):
         def leak():

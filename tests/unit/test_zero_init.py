@@ -277,6 +277,32 @@ class TestInitDtypeAndFactories(DistributedTest):
 class TestInitRemoteDevice(DistributedTest):
     world_size = [2]
 
+    def test_offload_param_from_config(self):
+        cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}}
+        init = deepspeed.zero.Init(config_dict_or_path=cfg)
+        assert init.remote_device == "cpu" and init.pin_memory
+        with init:
+            layer = nn.Linear(3, 3)
+        from deepspeed.runtime.zero.param_state import ZeroParamType
+
+        assert layer.weight.ds_param_type is ZeroParamType.REMOTE
+        nvme = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}
+        with pytest.raises(ValueError, match="offload_param.device='nvme'"):
+            deepspeed.zero.Init(config_dict_or_path=nvme)
+
+    def test_failed_start_leaves_no_stale_entry(self, monkeypatch):
+        def broken(fn, dtype):
+            raise OSError("wrapper failed")
+
+        monkeypatch.setattr(pp, "zero_wrapper_for_fp_tensor_constructor", broken)
+        init = deepspeed.zero.Init()
+        with pytest.raises(OSError):
+            init.start()
+        assert pp._INIT_STACK.active == [] and originals_in_place()
+        assert not init._tracker.active
+        monkeypatch.undo()
+        init.start().stop()
+
     def test_remote_cpu_and_pause(self):
         from deepspeed.runtime.zero.param_state import ZeroParamType
 

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from deepspeed.runtime.zero import gather
-from deepspeed.runtime.zero.param_state import is_zero_param
-from deepspeed.runtime.zero.partition_parameters import external_parameters
+from deepspeed.runtime.zero.param_state import ACCESS_HOOK, is_zero_param
+from deepspeed.runtime.zero.partition_parameters import external_parameters, register_external_parameter
 
 
 def _module_states(module: nn.Module) -> list:
@@ -118,6 +118,7 @@ class _Prefetcher:
         self.position = 0
         self.held: dict = {}  # ds_id -> state the prefetcher holds
         self.held_elems = 0
+        self.prefetched = 0  # parameters gathered ahead of use, for tests and benchmarks
 
     def record_or_advance(self, states: list) -> None:
         if self.recording:
@@ -157,6 +158,7 @@ class _Prefetcher:
                 break
         if wanted:
             gather.fetch_states(gather.zero_states(s.param for s in wanted), async_op=True)
+            self.prefetched += len(wanted)
 
     def end_pass(self) -> None:
         if self.held:
@@ -173,6 +175,8 @@ class ParameterCoordinator:
         self.module = module
         self.prefetcher = _Prefetcher(int(prefetch_bucket_size), int(max_live_parameters))
         self.backward_holds: dict = {}  # id(module) -> [(module, states)] held for its backward
+        self.forward_stack: list = []  # submodules whose forward is running, innermost last
+        self.stray_holds: list = []  # states gathered on access with no submodule running
         self._handles: list = []
         for sub in module.modules():
             self._handles.append(sub.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -205,7 +209,34 @@ class ParameterCoordinator:
 
     # ------------------------------------------------------------------ forward
 
+    # ------------------------------------------------------------------ use outside the owner
+
+    def activate(self) -> None:
+        """Route uses of not-gathered parameters to `_on_access` (see param_state's note)."""
+        ACCESS_HOOK.hook = self._on_access
+
+    def deactivate(self) -> None:
+        ACCESS_HOOK.hook = None
+        self.forward_stack.clear()
+        if self.stray_holds:
+            gather.release_states(self.stray_holds)
+            self.stray_holds = []
+
+    def _on_access(self, param: nn.Parameter) -> None:
+        state = param._zero_state
+        if not self.forward_stack:
+            self.stray_holds.append(state)  # used by code outside any submodule: held for the pass
+            gather.fetch_states([state])
+            return
+        module = self.forward_stack[-1]
+        register_external_parameter(module, param)  # from now on fetched with `module`
+        gather.fetch_states([state])  # released by `module`'s post-forward, with its own
+        state.active_sub_modules.add(id(module))
+
+    # ------------------------------------------------------------------ forward
+
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        self.forward_stack.append(module)
         states = self._fetch(module)
         if not states or not torch.is_grad_enabled():
             return None
@@ -213,6 +244,8 @@ class ParameterCoordinator:
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        if self.forward_stack and self.forward_stack[-1] is module:
+            self.forward_stack.pop()
         states = _module_states(module)
         if not states:
             return None

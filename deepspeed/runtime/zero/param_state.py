@@ -79,6 +79,34 @@ class _InPlaceInitHook:
 IN_PLACE_INIT = _InPlaceInitHook()
 
 
+class _AccessHook:
+    """Where the engine puts its hook for partitioned parameters used outside their module.
+
+    [Note: parameters used outside their owning module]
+    The engine gathers a submodule's parameters around that submodule's forward. Some
+    modules read a child's parameters without calling the child: `nn.MultiheadAttention`
+    passes `out_proj.weight` straight to `F.multi_head_attention_forward`. While the engine
+    runs a forward, any torch function that receives a parameter that is not gathered calls
+    this hook first (through `ZeroParameter.__torch_function__`); the engine gathers it,
+    registers it as an external parameter of the submodule that is running, so later passes
+    gather (and prefetch) it up front, and releases it with that submodule. Outside the
+    engine's forward the hook is None and such a use sees the empty tensor, as upstream.
+    """
+
+    # Functions that read metadata or storage handles: never worth a gather.
+    NO_FETCH = frozenset(
+        ["__get__", "__set__", "__delete__", "numel", "size", "dim", "element_size", "__repr__", "__format__",
+         "is_floating_point", "data_ptr", "stride", "is_contiguous", "__len__", "untyped_storage", "__reduce_ex__",
+         "register_hook", "register_post_accumulate_grad_hook", "__hash__", "__eq__"]
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.hook: Optional[Any] = None  # hook(param) -> None; makes `param` available
+
+
+ACCESS_HOOK = _AccessHook()
+
+
 def _empty_like_data(param: torch.Tensor) -> torch.Tensor:
     # A shape-[0] placeholder with the parameter's dtype and device, as upstream leaves it.
     return torch.empty(0, dtype=param.dtype, device=param.device)
@@ -232,6 +260,17 @@ class ZeroParameter(nn.Parameter):
     """An `nn.Parameter` whose upstream `ds_*` attributes are read-only views of its state."""
 
     _zero_state: ZeroParamState
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        hook = ACCESS_HOOK.hook
+        if hook is not None and getattr(func, "__name__", "") not in _AccessHook.NO_FETCH:
+            for arg in args:
+                if isinstance(arg, ZeroParameter) and arg._zero_state.status is not ZeroParamStatus.AVAILABLE:
+                    hook(arg)
+        # As nn.Parameter does: run the function without subclass dispatch, results are plain tensors.
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
     @property
     def ds_id(self) -> int:
