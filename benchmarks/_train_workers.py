@@ -1,0 +1,322 @@
+"""One rank of one implementation for bench_train_step.py, run as its own process.
+
+    python benchmarks/_train_workers.py --impl ours --rank 0 --world-size 2 --spec '{...}'
+
+The same file runs under our venv (impl ours, fsdp2, ddp, single) and under upstream's
+(impl upstream): `import deepspeed` resolves to whichever the interpreter has installed, so
+this file imports nothing from the project. Rank and rendezvous come from the environment
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), set by the controller.
+
+Protocol: after building the model and `warmup` untimed steps the worker prints one line
+`@@train@@ {"event": "ready", ...}` and then reads JSON commands from stdin, one a line:
+`{"cmd": "run", "steps": N}` times N steps and prints `@@train@@ {"event": "times", ...}`
+(rank 0 only; each step's time is the max over ranks); `{"cmd": "profile", "steps": N}`
+does the same under cProfile (and `_train_profile`'s timers when started with
+`--instrument`); `{"cmd": "quit"}` ends it. Other stdout lines (library logs) are ignored by
+the controller. Idle groups block on stdin, so they take no CPU from the group being timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch import nn
+
+MARK = "@@train@@"
+
+# ----------------------------------------------------------------------------- models
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention and a 4x GELU MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Decoder(nn.Module):
+    """A small GPT: token and position embeddings, blocks, final norm, untied LM head."""
+
+    def __init__(self, vocab: int, seq: int, width: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(seq, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+class MLP(nn.Module):
+    """`layers` square Linear+GELU layers and a regression loss."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        return F.mse_loss(x.float(), target)
+
+
+def build_model(spec: dict) -> nn.Module:
+    torch.manual_seed(0)  # the same initial weights for every implementation
+    if spec["model"] == "decoder":
+        return Decoder(spec["vocab"], spec["seq"], spec["width"], spec["layers"], spec["heads"])
+    if spec["model"] == "mlp":
+        return MLP(spec["width"], spec["layers"])
+    raise ValueError(f"spec model={spec['model']!r}; use 'decoder' or 'mlp'")
+
+
+def blocks_of(model: nn.Module) -> list:
+    return list(model.blocks if isinstance(model, Decoder) else model.layers)
+
+
+def make_batches(spec: dict, rank: int, count: int = 4) -> list:
+    """`count` fixed batches for this rank (the same on every implementation), cycled through."""
+    gen = torch.Generator().manual_seed(1234 + rank)
+    batches = []
+    for _ in range(count):
+        if spec["model"] == "decoder":
+            shape = (spec["batch"], spec["seq"])
+            x = torch.randint(0, spec["vocab"], shape, generator=gen)
+            y = torch.randint(0, spec["vocab"], shape, generator=gen)
+        else:
+            x = torch.randn(spec["batch"], spec["width"], generator=gen)
+            y = torch.randn(spec["batch"], spec["width"], generator=gen)
+        batches.append((x, y))
+    return batches
+
+
+# ----------------------------------------------------------------------------- implementations
+
+
+def ds_config(spec: dict) -> dict:
+    """The one config both ours and upstream DeepSpeed get (upstream key names)."""
+    zero = {
+        "stage": 3,
+        "reduce_bucket_size": spec["reduce_bucket_size"],
+        "stage3_prefetch_bucket_size": spec["prefetch_bucket_size"],
+        "stage3_param_persistence_threshold": spec["persistence_threshold"],
+        "stage3_max_live_parameters": int(1e9),
+        "stage3_max_reuse_distance": int(1e9),
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+    }
+    cfg = {
+        "train_micro_batch_size_per_gpu": spec["batch"],
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": zero,
+    }
+    if spec["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def setup_deepspeed(model: nn.Module, spec: dict):
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config(spec))
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step, {"deepspeed_version": deepspeed.__version__, "deepspeed_file": deepspeed.__file__}
+
+
+def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, autocast: bool):
+    def step(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def setup_fsdp2(model: nn.Module, spec: dict):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+    kwargs: dict = {"mesh": mesh}
+    if spec["dtype"] == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for block in blocks_of(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _plain_step(model, opt, autocast=False), {}
+
+
+def setup_ddp(model: nn.Module, spec: dict):
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    return _plain_step(ddp, opt, autocast=spec["dtype"] == "bf16"), {}
+
+
+def setup_single(model: nn.Module, spec: dict):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _plain_step(model, opt, autocast=spec["dtype"] == "bf16"), {}
+
+
+SETUPS = {
+    "ours": setup_deepspeed,
+    "upstream": setup_deepspeed,
+    "fsdp2": setup_fsdp2,
+    "ddp": setup_ddp,
+    "single": setup_single,
+}
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class Runner:
+    """Runs timed steps over the fixed batches; every rank calls `run` together."""
+
+    def __init__(self, step, batches: list, distributed: bool) -> None:
+        self.step = step
+        self.batches = batches
+        self.distributed = distributed
+        self.done = 0
+        self.last_loss = math.nan
+
+    def run(self, steps: int) -> list:
+        times = []
+        for _ in range(steps):
+            x, y = self.batches[self.done % len(self.batches)]
+            if self.distributed:
+                tdist.barrier()
+            start = time.perf_counter()
+            loss = self.step(x, y)
+            times.append(time.perf_counter() - start)
+            self.done += 1
+            self.last_loss = float(loss.detach().float())
+        if self.distributed:  # a step takes as long as its slowest rank
+            t = torch.tensor(times, dtype=torch.float64)
+            tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+            times = t.tolist()
+        return times
+
+
+def emit(rank: int, payload: dict) -> None:
+    if rank == 0:
+        print(MARK, json.dumps(payload), flush=True)
+
+
+def profile_steps(runner: Runner, steps: int, rank: int, instrument) -> dict:
+    """Time `steps` steps; on rank 0 under cProfile, and with the instrument's timers if given."""
+    import cProfile
+    import pstats
+
+    if rank != 0:
+        return {"times": runner.run(steps)}
+    if instrument is not None:
+        instrument.reset()
+    prof = cProfile.Profile()
+    prof.enable()
+    times = runner.run(steps)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][3], reverse=True)  # by cumulative
+    top = [
+        {"func": f"{os.path.basename(f)}:{line}:{name}", "ncalls": nc, "tottime": tt, "cumtime": ct}
+        for (f, line, name), (_, nc, tt, ct, _) in rows[:60]
+    ]
+    out = {"times": times, "cprofile_top": top}
+    if instrument is not None:
+        out["timers"] = instrument.report(steps)
+    return out
+
+
+def serve(runner: Runner, rank: int, instrument) -> None:
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            return
+        if cmd["cmd"] == "run":
+            payload = {"times": runner.run(int(cmd["steps"]))}
+        elif cmd["cmd"] == "profile":
+            payload = profile_steps(runner, int(cmd["steps"]), rank, instrument)
+        else:
+            raise ValueError(f"unknown command {cmd!r}")
+        emit(rank, {"event": "times", "loss": runner.last_loss, **payload})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", choices=sorted(SETUPS), required=True)
+    parser.add_argument("--spec", required=True, help="JSON: model, sizes, dtype, bucket sizes, warmup")
+    parser.add_argument("--instrument", action="store_true", help="install _train_profile's timers (ours)")
+    args = parser.parse_args()
+    spec = json.loads(args.spec)
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    distributed = args.impl != "single"
+    rank = int(os.environ.get("RANK", "0"))
+    if distributed:
+        tdist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    instrument = None
+    if args.instrument:
+        import _train_profile
+
+        instrument = _train_profile.install()
+    model = build_model(spec)
+    n_params = sum(p.numel() for p in model.parameters())
+    step, info = SETUPS[args.impl](model, spec)
+    torch.set_num_threads(int(spec.get("threads", 1)))  # a library may have changed it
+    runner = Runner(step, make_batches(spec, rank), distributed)
+    runner.run(int(spec["warmup"]))
+    info.update(params=n_params, threads=torch.get_num_threads(), torch_version=torch.__version__)
+    emit(rank, {"event": "ready", "loss": runner.last_loss, **info})
+    serve(runner, rank, instrument)
+    if distributed:
+        tdist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
