@@ -92,15 +92,14 @@ def _cut_full_tensors(flat_out: torch.Tensor, states: list) -> list:
     """Each state's full tensor (its shape) out of a rank-major coalesced all-gather output."""
     world = states[0].world_size
     rows = flat_out.view(world, -1)
-    # With one rank, every cut is a view into the shared output: copy so that each parameter
-    # owns (and frees) its own storage.
-    shared_views = world == 1 and len(states) > 1
-    fulls, offset = [], 0
-    for s in states:
-        piece = rows[:, offset : offset + s.partition_size].reshape(-1)[: s.numel]
-        fulls.append((piece.clone() if shared_views else piece).view(s.shape))
-        offset += s.partition_size
-    return fulls
+    if len(states) == 1:
+        # The whole output belongs to one parameter: a view, no copy.
+        s = states[0]
+        return [rows.reshape(-1)[: s.numel].view(s.shape)]
+    # One fused copy moves every parameter's column block into its own padded buffer.
+    padded = [torch.empty(world, s.partition_size, dtype=flat_out.dtype, device=flat_out.device) for s in states]
+    torch.split_with_sizes_copy(rows, [s.partition_size for s in states], dim=1, out=padded)
+    return [buf.view(-1)[: s.numel].view(s.shape) for buf, s in zip(padded, states)]
 
 
 def refresh_gathered(states: list) -> None:
@@ -194,12 +193,23 @@ def release(params: Iterable, has_been_updated: bool = False, missing_ok: bool =
     release_states(zero_states(params), has_been_updated=has_been_updated, missing_ok=missing_ok)
 
 
+# Tensors at least this large are broadcast in place: coalescing them would copy them.
+BROADCAST_COALESCE_LIMIT = 1 << 18  # elements
+
+
 def broadcast_coalesced(tensors: list, src: int, group) -> None:
-    """Broadcast `tensors` in place from global rank `src`: one collective per dtype."""
-    by_dtype: dict = {}
+    """Broadcast `tensors` in place from global rank `src`.
+
+    Large contiguous tensors go one collective each, in place (a flat copy would double the
+    peak memory of building a layer under Init); small ones share one collective per dtype.
+    """
+    small: dict = {}
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same_dtype in by_dtype.values():
+        if t.is_contiguous() and t.numel() >= BROADCAST_COALESCE_LIMIT:
+            dist.broadcast(t, src=src, group=group)
+        else:
+            small.setdefault(t.dtype, []).append(t)
+    for same_dtype in small.values():
         if len(same_dtype) == 1 and same_dtype[0].is_contiguous():
             dist.broadcast(same_dtype[0], src=src, group=group)
             continue

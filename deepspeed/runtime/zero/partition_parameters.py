@@ -66,6 +66,8 @@ __all__ = [
 ]
 
 _SUPPORTED_REMOTE_DEVICES = (None, "none", "cpu")
+# Freeing at least this much after converting a module is worth asking the allocator to trim.
+_TRIM_AFTER_BYTES = 1 << 20
 
 
 # ============================================================================ Init settings
@@ -257,15 +259,18 @@ def convert_params(params: list, settings: _InitSettings) -> None:
         # Ranks may have drawn different random initial values: rank 0's are the model.
         src = dist.get_global_rank(settings.group, 0)
         gather.broadcast_coalesced([p.data for p in params], src, settings.group)
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
     for p in params:
         make_zero_param(p, settings.group, settings.world_size, settings.rank, settings.remote_device)
         state = p._zero_state
         state.sanity_checks = settings.sanity_checks
         if settings.pin_memory:
-            from deepspeed.accelerator import get_accelerator
-
-            state.shard = get_accelerator().pin_memory(state.shard)
+            state.shard = accelerator.pin_memory(state.shard)
         gather.partition_new_state(state)
+    if sum(p.ds_numel * p.element_size() for p in params) >= _TRIM_AFTER_BYTES:
+        accelerator.empty_cache()  # hand the freed full tensors back (glibc keeps them otherwise)
 
 
 def _gathered_apply(module: nn.Module, fn) -> nn.Module:

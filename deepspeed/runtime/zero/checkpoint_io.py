@@ -1,0 +1,465 @@
+"""The sharded ZeRO-3 checkpoint format: file names, crash-safe writes, reading and resharding.
+
+No collectives live here: this module writes and reads files and cuts tensors. The engine
+(`deepspeed/runtime/checkpointing.py`) decides what each rank writes and makes the ranks
+agree; `deepspeed/utils/zero_to_fp32.py` reads the same files without torch.distributed.
+
+[Note: checkpoint layout]
+    save_dir/
+      latest              the newest complete tag, as plain text
+      zero_to_fp32.py     a shim that runs `deepspeed.utils.zero_to_fp32`
+      <tag>/              `global_step{N}` unless the caller names it
+        zero_pp_rank_{r}_mp_rank_00_model_states.pt   one per saving rank r
+        zero_pp_rank_{r}_mp_rank_00_optim_states.pt   one per saving rank r (training engines)
+
+A model-states file holds what every reader needs: the parameters' metadata (`ParamMeta`,
+in `module.named_parameters()` order), the saving world size and model dtype, this rank's
+shards of the parameters that have no fp32 master (frozen ones; all of them for an
+inference engine), the engine counters, the LR scheduler state and the client state; rank
+0's file also holds the module's buffers. An optim-states file holds this rank's fp32
+master shards, the optimizer state cut the same way (tensors shaped like the master shard;
+other state, such as Adam's `step`, only in rank 0's file), the param groups'
+hyperparameters with parameter names in place of indices, and the loss scaler. All files
+of one save carry the same random `save_id`.
+
+[Note: crash-safe writes]
+Each file is written under a temporary name in its final directory, flushed, fsync'd, and
+then `os.replace`d onto its name: under its real name a file is complete or absent. The
+engine replaces `latest` the same way, and only after every rank has reported its files
+written. A save interrupted at any point therefore leaves `latest` naming the previous
+complete tag. Overwriting one tag in place can mix files of two saves if interrupted; the
+`save_id` check on load refuses such a mix instead of loading it.
+
+[Note: elastic resharding]
+Saved on N ranks, a parameter of `numel` elements is N shards of `ps_N` elements each (the
+shard math of param_state.py). Loaded on M ranks, rank r needs the flat elements
+`[r * ps_M, (r + 1) * ps_M)` clipped to `numel`, then zero padding up to `ps_M`.
+`flat_slice` reads only the parts of the saved shards that overlap that range, and files
+are memory-mapped, so loading never materializes a full parameter or another rank's data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, Optional
+
+import torch
+
+from deepspeed.runtime.zero.param_state import shard_sizes
+
+FORMAT = "deepspeed-zero3-sharded"
+FORMAT_VERSION = 1
+LATEST_FILE = "latest"
+RECOVERY_SCRIPT = "zero_to_fp32.py"
+
+_RANK_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_(model|optim)_states\.pt$")
+
+_RECOVERY_SCRIPT_TEXT = '''#!/usr/bin/env python
+"""Consolidate the ZeRO-3 checkpoints in this folder into one fp32 state dict.
+
+    python zero_to_fp32.py . pytorch_model.bin            # the tag named in `latest`
+    python zero_to_fp32.py . out_dir --safe_serialization # out_dir/model.safetensors
+"""
+
+from deepspeed.utils.zero_to_fp32 import main
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def model_states_name(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def optim_states_name(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded; the message names the file and the problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMeta:
+    """What a checkpoint records about one parameter (stored as a plain dict)."""
+
+    name: str  # as in module.named_parameters()
+    shape: tuple
+    numel: int
+    ds_id: int  # informational: parameters are matched by name, ds_ids may differ between runs
+    partition_size: int  # elements per saving rank, padding included
+    requires_grad: bool
+    has_master: bool  # its weights (fp32) and optimizer state are in the optim-states files
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ParamMeta:
+        return cls(**{**d, "shape": tuple(d["shape"])})
+
+
+# ============================================================================ writing
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename inside `directory` durable (best effort: not every OS can open a folder)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, write: Callable[[Any], None]) -> None:
+    """Write through `write(file)` to a temporary name beside `path`, fsync, then rename onto it."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    """`torch.save(obj, path)`, crash-safe (see [Note: crash-safe writes])."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def write_latest(save_dir: str, tag: str) -> None:
+    """Point `save_dir/latest` at `tag` (call only once every rank's files are written)."""
+    atomic_write_text(os.path.join(save_dir, LATEST_FILE), str(tag))
+
+
+def write_recovery_script(save_dir: str) -> None:
+    atomic_write_text(os.path.join(save_dir, RECOVERY_SCRIPT), _RECOVERY_SCRIPT_TEXT)
+
+
+def remove_stale_rank_files(ckpt_dir: str, world_size: int) -> list:
+    """Delete rank files numbered `world_size` or more: leftovers of an older, larger save."""
+    removed = []
+    for name in sorted(os.listdir(ckpt_dir)):
+        match = _RANK_FILE.match(name)
+        if match and int(match.group(1)) >= world_size:
+            os.remove(os.path.join(ckpt_dir, name))
+            removed.append(name)
+    return removed
+
+
+def check_tag(tag: Any) -> str:
+    """`tag` as a directory name; a path separator or an empty name is refused."""
+    text = str(tag)
+    if not text or text in (".", "..") or "/" in text or (os.sep in text) or "\n" in text:
+        raise ValueError(f"checkpoint tag {text!r} must be a plain directory name (no '/', not empty)")
+    return text
+
+
+# ============================================================================ reading
+
+
+def read_latest(load_dir: str) -> Optional[str]:
+    """The tag `load_dir/latest` names, or None when there is no such file."""
+    path = os.path.join(load_dir, LATEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        tag = f.read().strip()
+    if not tag:
+        raise CheckpointError(f"{path}: the 'latest' file is empty; pass tag= to choose a checkpoint")
+    return tag
+
+
+def load_file(path: str, what: str, weights_only: bool) -> dict:
+    """`torch.load` a checkpoint file memory-mapped on the CPU, or raise `CheckpointError` naming it."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing ({what}); the checkpoint is incomplete")
+    try:
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except Exception as err:  # torch raises RuntimeError, EOFError, pickle errors, ...
+        raise CheckpointError(
+            f"{path}: cannot read the {what}: the file is truncated or corrupt ({type(err).__name__}: {err})"
+        ) from err
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path}: not a sharded ZeRO-3 checkpoint file of this package (format={_get(obj, 'format')!r})"
+        )
+    if obj.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format version {obj['format_version']} is newer than this package reads "
+            f"({FORMAT_VERSION}); upgrade deepspeed"
+        )
+    return obj
+
+
+def _get(obj: Any, key: str) -> Any:
+    return obj.get(key) if isinstance(obj, dict) else type(obj).__name__
+
+
+def flat_slice(shards: Sequence[torch.Tensor], partition_size: int, start: int, end: int) -> torch.Tensor:
+    """Flat elements `[start, end)` of a tensor given as rank-ordered shards of `partition_size`.
+
+    The result is a fresh tensor: only the overlapping parts of the shards are read.
+    """
+    pieces = []
+    pos = start
+    while pos < end:
+        k, offset = divmod(pos, partition_size)
+        take = min(partition_size - offset, end - pos)
+        pieces.append(shards[k].reshape(-1)[offset : offset + take])
+        pos += take
+    if not pieces:
+        return torch.empty(0, dtype=shards[0].dtype)
+    return torch.cat(pieces)
+
+
+def reshard(
+    shards: Sequence[torch.Tensor], partition_size: int, numel: int, world_size: int, rank: int
+) -> torch.Tensor:
+    """Rank `rank`'s shard for `world_size` ranks, cut from shards saved on `len(shards)` ranks."""
+    new_size, _ = shard_sizes(numel, world_size)
+    out = torch.zeros(new_size, dtype=shards[0].dtype)
+    start = min(rank * new_size, numel)
+    end = min(start + new_size, numel)
+    if end > start:
+        out[: end - start].copy_(flat_slice(shards, partition_size, start, end))
+    return out
+
+
+def _is_sharded_state(value: Any, partition_size: int) -> bool:
+    """Optimizer state cut like the master (Adam's moments) rather than shared (its `step`)."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == partition_size
+
+
+def split_optimizer_state(state: dict, partition_size: int) -> tuple:
+    """`(sharded, replicated)` halves of one master's optimizer state."""
+    sharded = {k: v for k, v in state.items() if _is_sharded_state(v, partition_size)}
+    replicated = {k: v for k, v in state.items() if k not in sharded}
+    return sharded, replicated
+
+
+class ShardedCheckpoint:
+    """The files of one tag directory, memory-mapped and checked to belong together.
+
+    `open()` raises `CheckpointError` naming the file for a missing, truncated or corrupt
+    file, for files of different saves, and for metadata that disagrees between ranks.
+    """
+
+    directory: str
+    world_size: int  # ranks that saved it
+    dtype: str  # the saving engine's model dtype, e.g. "torch.bfloat16"
+    params: OrderedDict  # name -> ParamMeta, in named_parameters() order
+    model_states: list  # one dict per saving rank
+    optim_states: Optional[list]  # one dict per saving rank; None if saved without an optimizer
+
+    def __init__(self, directory: str, model_states: list, optim_states: Optional[list]) -> None:
+        self.directory = directory
+        self.model_states = model_states
+        self.optim_states = optim_states
+        first = model_states[0]
+        self.world_size = first["world_size"]
+        self.dtype = first["dtype"]
+        self.params = OrderedDict((d["name"], ParamMeta.from_dict(d)) for d in first["params"])
+
+    @classmethod
+    def open(cls, directory: str) -> ShardedCheckpoint:
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"{directory}: no such checkpoint directory")
+        first_path = os.path.join(directory, model_states_name(0))
+        first = load_file(first_path, "model states of rank 0", weights_only=False)
+        world = first.get("world_size")
+        if not isinstance(world, int) or world < 1:
+            raise CheckpointError(f"{first_path}: invalid saving world_size {world!r}")
+        model_states = [first]
+        for r in range(1, world):
+            path = os.path.join(directory, model_states_name(r))
+            model_states.append(load_file(path, f"model states of rank {r}", weights_only=False))
+        optim_states = None
+        if first.get("has_optimizer"):
+            optim_states = []
+            for r in range(world):
+                path = os.path.join(directory, optim_states_name(r))
+                optim_states.append(load_file(path, f"optimizer states of rank {r}", weights_only=True))
+        ckpt = cls(directory, model_states, optim_states)
+        ckpt._check_headers()
+        ckpt._check_shards()
+        return ckpt
+
+    # ------------------------------------------------------------------ validation
+
+    def model_file(self, rank: int) -> str:
+        return os.path.join(self.directory, model_states_name(rank))
+
+    def optim_file(self, rank: int) -> str:
+        return os.path.join(self.directory, optim_states_name(rank))
+
+    def _check_headers(self) -> None:
+        first = self.model_states[0]
+        files = [(self.model_file(r), sd, r) for r, sd in enumerate(self.model_states)]
+        files += [(self.optim_file(r), sd, r) for r, sd in enumerate(self.optim_states or [])]
+        for path, sd, r in files:
+            if sd.get("rank") != r or sd.get("world_size") != self.world_size:
+                raise CheckpointError(
+                    f"{path}: records rank {sd.get('rank')} of {sd.get('world_size')} ranks, expected rank "
+                    f"{r} of {self.world_size} (as {self.model_file(0)} says); the files were mixed up"
+                )
+            if sd.get("save_id") != first["save_id"]:
+                raise CheckpointError(
+                    f"{path}: written by a different save than {self.model_file(0)} (save_id "
+                    f"{sd.get('save_id')} != {first['save_id']}); an interrupted save overwrote this "
+                    "tag in place, so load another tag"
+                )
+        for r, sd in enumerate(self.model_states[1:], start=1):
+            if sd.get("params") != first["params"]:
+                raise CheckpointError(
+                    f"{self.model_file(r)}: its parameter metadata differs from {self.model_file(0)}'s"
+                )
+
+    def _check_shards(self) -> None:
+        for r in range(self.world_size):
+            frozen = self.model_states[r].get("frozen_param_shards", {})
+            optim = self.optim_states[r] if self.optim_states is not None else None
+            for meta in self.params.values():
+                if meta.has_master and optim is None:
+                    raise CheckpointError(
+                        f"{self.model_file(0)}: parameter {meta.name!r} has an fp32 master but the "
+                        "checkpoint records no optimizer-states files"
+                    )
+                if meta.has_master:
+                    where, shard = self.optim_file(r), optim["fp32_master_shards"].get(meta.name)
+                else:
+                    where, shard = self.model_file(r), frozen.get(meta.name)
+                _check_shard(where, meta, shard, "weights")
+                if meta.has_master:
+                    for key, value in optim["optimizer_state"].get(meta.name, {}).items():
+                        _check_shard(self.optim_file(r), meta, value, f"optimizer state {key!r}")
+
+    # ------------------------------------------------------------------ contents
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.optim_states is not None
+
+    def weight_shards(self, name: str) -> list:
+        """The saved shards of `name`'s weights: fp32 masters, or model-dtype shards without one."""
+        if self.params[name].has_master:
+            return [sd["fp32_master_shards"][name] for sd in self.optim_states]
+        return [sd["frozen_param_shards"][name] for sd in self.model_states]
+
+    def resharded_weight(self, name: str, world_size: int, rank: int) -> torch.Tensor:
+        """`name`'s fp32 weights as rank `rank` of `world_size` holds them (see the note)."""
+        meta = self.params[name]
+        shard = reshard(self.weight_shards(name), meta.partition_size, meta.numel, world_size, rank)
+        return shard.float()
+
+    def full_weight(self, name: str) -> torch.Tensor:
+        """`name`'s whole fp32 tensor, in its shape."""
+        meta = self.params[name]
+        flat = flat_slice(self.weight_shards(name), meta.partition_size, 0, meta.numel)
+        return flat.float().view(meta.shape)
+
+    def optimizer_state_keys(self, name: str) -> set:
+        return set(self.optim_states[0]["optimizer_state"].get(name, {}))
+
+    def resharded_optimizer_state(self, name: str, world_size: int, rank: int) -> dict:
+        """`name`'s optimizer state as rank `rank` of `world_size` would hold it."""
+        meta = self.params[name]
+        out = dict(self.optim_states[0]["replicated_optimizer_state"].get(name, {}))
+        out = {k: v.clone() if torch.is_tensor(v) else v for k, v in out.items()}
+        for key in self.optimizer_state_keys(name):
+            shards = [sd["optimizer_state"][name][key] for sd in self.optim_states]
+            out[key] = reshard(shards, meta.partition_size, meta.numel, world_size, rank)
+        return out
+
+    def optimizer_entry(self, key: str) -> Any:
+        """A value rank 0's optim-states file holds: `param_groups`, `loss_scaler`, `overflow`."""
+        return self.optim_states[0][key]
+
+    def engine_entry(self, key: str) -> Any:
+        """A value rank 0's model-states file holds: counters, `lr_scheduler`, `buffers`, ..."""
+        return self.model_states[0].get(key)
+
+    def client_state(self, rank: int) -> dict:
+        """The client state saved by rank `rank` (rank 0's for ranks the save did not have)."""
+        return dict(self.model_states[min(rank, self.world_size - 1)].get("client_state") or {})
+
+    def fp32_state_dict(self, exclude_frozen_parameters: bool = False, progress: Optional[Callable] = None):
+        """An OrderedDict of full fp32 parameters (tied names included) and buffers."""
+        out: OrderedDict = OrderedDict()
+        metas: Iterable = list(self.params.values())
+        if progress is not None:
+            metas = progress(metas)
+        for meta in metas:
+            if exclude_frozen_parameters and not meta.requires_grad:
+                continue
+            out[meta.name] = self.full_weight(meta.name)
+        for alias, canonical in self.engine_entry("shared_params") or []:
+            if canonical in out:
+                out[alias] = out[canonical]
+        for name, buf in (self.engine_entry("buffers") or {}).items():
+            out[name] = buf.float() if buf.is_floating_point() else buf.clone()
+        return out
+
+
+def _check_shard(path: str, meta: ParamMeta, shard: Any, what: str) -> None:
+    if shard is None:
+        raise CheckpointError(f"{path}: has no {what} for parameter {meta.name!r}")
+    if not torch.is_tensor(shard) or shard.numel() != meta.partition_size:
+        got = tuple(shard.shape) if torch.is_tensor(shard) else type(shard).__name__
+        raise CheckpointError(
+            f"{path}: the {what} shard of {meta.name!r} has shape {got}, expected "
+            f"({meta.partition_size},) for {meta.numel} elements over the saving ranks"
+        )
+
+
+def check_against_model(ckpt: ShardedCheckpoint, shapes: dict, strict: bool) -> None:
+    """Raise `CheckpointError` if `ckpt` does not fit a model with these `{name: shape}`.
+
+    Unknown and missing names fail only with `strict`; a shape mismatch always fails (as
+    `nn.Module.load_state_dict` does), since no part of such a tensor could be loaded.
+    """
+    problems = []
+    unexpected = [n for n in ckpt.params if n not in shapes]
+    missing = [n for n in shapes if n not in ckpt.params]
+    if strict and unexpected:
+        problems.append(f"parameters not in the model: {_names(unexpected)}")
+    if strict and missing:
+        problems.append(f"model parameters missing from the checkpoint: {_names(missing)}")
+    for name, shape in shapes.items():
+        meta = ckpt.params.get(name)
+        if meta is not None and tuple(meta.shape) != tuple(shape):
+            problems.append(f"shape of {name!r} is {tuple(meta.shape)} in the checkpoint, {tuple(shape)} in the model")
+    if problems:
+        hint = " (load_module_strict=False skips unknown and missing names)" if strict and (unexpected or missing) else ""
+        raise CheckpointError(f"{ckpt.model_file(0)}: does not match the model: {'; '.join(problems)}{hint}")
+
+
+def _names(names: list, limit: int = 6) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
