@@ -1,5 +1,504 @@
-"""Engine checkpoint methods (save/load, 16-bit export), mixed into `DeepSpeedEngine`."""
+"""Engine checkpoint methods (save/load, 16-bit export), mixed into `DeepSpeedEngine`.
+
+The file format, crash-safe writes and resharding live in `runtime/zero/checkpoint_io.py`;
+this module decides what each rank writes and keeps the ranks in step.
+
+[Note: every rank raises, none hangs]
+A save or load runs in phases (write the rank files; publish `latest` / resolve the tag;
+open and check every file; apply). Each phase ends with one `all_gather_object` of the
+ranks' error messages, which doubles as the barrier between phases. If any rank failed,
+every rank raises the same `CheckpointError` listing each failed rank's message (a missing
+or truncated file is named there), so no rank waits in a collective its peers never join.
+A load checks every file and the fit to the model before it changes anything, so an error
+leaves the engine as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+from deepspeed.runtime.zero import checkpoint_io as ckpt_io
+from deepspeed.runtime.zero import gather
+from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ParamMeta, ShardedCheckpoint
+from deepspeed.runtime.zero.param_state import is_zero_param
+from deepspeed.utils.logging import log_dist, logger
+from deepspeed.version import __version__
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _on_all_ranks(what: str, fn: Callable, *args: Any, agree: bool = False) -> Any:
+    """Run `fn(*args)` here; raise on every rank if it raised on any (see the note).
+
+    With `agree=True` the (small, picklable) results are compared too: ranks that reached
+    different answers (e.g. saw different files) also fail everywhere.
+    """
+    error: Optional[BaseException] = None
+    result = None
+    try:
+        result = fn(*args)
+    except Exception as err:  # reported to every rank below, then re-raised as the cause
+        error = err
+    message = None if error is None else _describe(error)
+    outcomes = [(message, result if agree else None)]
+    if _world_size() > 1:
+        outcomes = [None] * _world_size()
+        dist.all_gather_object(outcomes, (message, result if agree else None))
+    failed = [(r, m) for r, (m, _) in enumerate(outcomes) if m is not None]
+    if failed:
+        lines = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        raise CheckpointError(
+            f"{what} failed on {len(failed)} of {len(outcomes)} rank(s): {lines}"
+        ) from error
+    if agree and any(res != outcomes[0][1] for _, res in outcomes):
+        answers = ", ".join(f"rank {r}: {res!r}" for r, (_, res) in enumerate(outcomes))
+        raise CheckpointError(
+            f"{what}: the ranks disagree ({answers}); is the directory shared by all ranks?"
+        )
+    return result
+
+
+def _describe(error: BaseException) -> str:
+    return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+
+
+def _persistent_buffers(module: torch.nn.Module) -> list:
+    """`(qualified name, tensor)` of the buffers `module.state_dict()` would contain."""
+    out = []
+    for prefix, mod in module.named_modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, buf))
+    return out
+
+
+def _shared_params(module: torch.nn.Module) -> list:
+    """`[alias, canonical]` for each extra name of a tied parameter."""
+    first: dict = {}
+    aliases = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases.append([name, first[id(p)]])
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _place_state(key: str, value: Any, master: torch.Tensor, group: dict) -> Any:
+    """Where torch keeps optimizer state: `step` on the CPU unless capturable/fused, else by the master."""
+    if not torch.is_tensor(value):
+        return value
+    if key == "step" and value.dim() == 0 and not (group.get("capturable") or group.get("fused")):
+        return value
+    return value.to(master.device)
 
 
 class CheckpointMixin:
     """Checkpoint methods of `DeepSpeedEngine`; they use only the engine's public state."""
+
+    # ================================================================== save
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: Optional[dict] = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Write this rank's shard files under `save_dir/tag`, then (all ranks done) `latest`.
+
+        Every rank must call it. `tag` defaults to `global_step{global_steps}`;
+        `client_state` is returned by `load_checkpoint`. Returns True.
+        """
+        tag = ckpt_io.check_tag(f"global_step{self.global_steps}" if tag is None else tag)
+        header = self._save_header(tag)
+        ckpt_dir = os.path.join(save_dir, tag)
+        _on_all_ranks(
+            "save_checkpoint",
+            self._write_rank_files,
+            ckpt_dir,
+            header,
+            tag,
+            client_state or {},
+            exclude_frozen_parameters,
+        )
+        # [Note: crash-safe writes] in checkpoint_io.py: `latest` moves only now.
+        _on_all_ranks("save_checkpoint", self._publish_save, save_dir, ckpt_dir, tag, save_latest)
+        log_dist(f"saved checkpoint {ckpt_dir} on {_world_size()} rank(s)", ranks=[0])
+        return True
+
+    def _save_header(self, tag: str) -> dict:
+        agreed = [(ckpt_io.new_save_id(), tag)]
+        if _world_size() > 1:
+            dist.broadcast_object_list(agreed, src=0)
+        save_id, rank0_tag = agreed[0]
+        return {
+            "format": ckpt_io.FORMAT,
+            "format_version": ckpt_io.FORMAT_VERSION,
+            "ds_version": __version__,
+            "save_id": save_id,
+            "tag": rank0_tag,
+            "rank": _rank(),
+            "world_size": _world_size(),
+        }
+
+    def _write_rank_files(
+        self, ckpt_dir: str, header: dict, tag: str, client_state: dict, exclude_frozen: bool
+    ) -> None:
+        if header["tag"] != tag:
+            raise ValueError(f"checkpoint tag {tag!r} differs from rank 0's {header['tag']!r}; pass one tag")
+        entries = self._checkpoint_entries(exclude_frozen)
+        os.makedirs(ckpt_dir, exist_ok=True)
+        model_path = os.path.join(ckpt_dir, ckpt_io.model_states_name(header["rank"]))
+        ckpt_io.atomic_torch_save(self._model_states(entries, header, client_state), model_path)
+        if self.optimizer is not None:
+            optim_path = os.path.join(ckpt_dir, ckpt_io.optim_states_name(header["rank"]))
+            ckpt_io.atomic_torch_save(self._optim_states(entries, header), optim_path)
+
+    def _publish_save(self, save_dir: str, ckpt_dir: str, tag: str, save_latest: bool) -> None:
+        if _rank() != 0:
+            return
+        removed = ckpt_io.remove_stale_rank_files(ckpt_dir, _world_size())
+        if removed:
+            logger.info(f"removed {len(removed)} rank files of an older save from {ckpt_dir}")
+        ckpt_io.write_recovery_script(save_dir)
+        if save_latest:
+            ckpt_io.write_latest(save_dir, tag)
+
+    def _checkpoint_entries(self, exclude_frozen: bool) -> list:
+        """`(name, ZeroParamState, ParamMeta)` per saved parameter, in named_parameters order."""
+        masters = self.optimizer.masters if self.optimizer is not None else {}
+        entries = []
+        for name, param in self.module.named_parameters():
+            if not is_zero_param(param):
+                raise CheckpointError(
+                    f"parameter {name!r} is not partitioned; the engine should have converted it"
+                )
+            state = param._zero_state
+            if state.world_size != _world_size():
+                raise CheckpointError(
+                    f"parameter {name!r} is partitioned over {state.world_size} ranks, not the world's "
+                    f"{_world_size()}; checkpoints support partitioning over the whole world only"
+                )
+            if exclude_frozen and not param.requires_grad:
+                continue
+            meta = ParamMeta(
+                name=name,
+                shape=tuple(state.shape),
+                numel=state.numel,
+                ds_id=state.ds_id,
+                partition_size=state.partition_size,
+                requires_grad=param.requires_grad,
+                has_master=state.ds_id in masters,
+            )
+            entries.append((name, state, meta))
+        return entries
+
+    def _model_states(self, entries: list, header: dict, client_state: dict) -> dict:
+        rank0 = header["rank"] == 0
+        scheduler = self.lr_scheduler
+        sd = {
+            **header,
+            "zero_stage": 3,
+            "dtype": str(self.dtype),
+            "params": [meta.to_dict() for _, _, meta in entries],
+            "has_optimizer": self.optimizer is not None,
+            "shared_params": _shared_params(self.module),
+            "frozen_param_shards": {name: s.shard for name, s, meta in entries if not meta.has_master},
+            "buffers": dict(_persistent_buffers(self.module)) if rank0 else {},
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "micro_steps": self.micro_steps,
+            "lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
+            "client_state": dict(client_state),
+        }
+        return clone_tensors_for_torch_save(sd)
+
+    def _optim_states(self, entries: list, header: dict) -> dict:
+        opt = self.optimizer
+        torch_state = opt.optimizer.state
+        name_of = {id(opt.masters[s.ds_id]): name for name, s, meta in entries if meta.has_master}
+        masters, sharded, replicated = {}, {}, {}
+        for name, state, meta in entries:
+            if not meta.has_master:
+                continue
+            master = opt.masters[state.ds_id]
+            masters[name] = master.detach()
+            sharded[name], rep = ckpt_io.split_optimizer_state(
+                torch_state.get(master, {}), state.partition_size
+            )
+            if header["rank"] == 0:
+                replicated[name] = rep
+        groups = []
+        for group in opt.optimizer.param_groups:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            hyper["params"] = [name_of[id(p)] for p in group["params"] if id(p) in name_of]
+            groups.append(hyper)
+        sd = {
+            **header,
+            "optimizer_class": type(opt.optimizer).__name__,
+            "fp32_master_shards": masters,
+            "optimizer_state": sharded,
+            "replicated_optimizer_state": replicated,
+            "param_groups": groups,
+            "loss_scaler": opt.loss_scaler.state_dict(),
+            "overflow": bool(opt.overflow),
+        }
+        return clone_tensors_for_torch_save(sd)
+
+    # ================================================================== load
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Optional[Callable] = None,
+    ) -> tuple:
+        """Load `load_dir/tag` (default: the tag in `load_dir/latest`), saved on any number of ranks.
+
+        Returns `(path, client_state)`, or `(None, None)` when there is no such checkpoint.
+        Every rank must call it. Errors raise `CheckpointError` on every rank, and leave the
+        engine unchanged.
+        """
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by this engine")
+        ckpt_dir = _on_all_ranks("load_checkpoint", self._resolve_checkpoint_dir, load_dir, tag, agree=True)
+        if ckpt_dir is None:
+            return None, None
+        load_optim = self.optimizer is not None and load_optimizer_states and not load_module_only
+        ckpt = _on_all_ranks(
+            "load_checkpoint", self._open_checkpoint, ckpt_dir, load_optim, load_module_strict
+        )
+        load_sched = load_lr_scheduler_states and not load_module_only
+        _on_all_ranks(
+            "load_checkpoint", self._apply_checkpoint, ckpt, load_optim, load_sched, load_module_only
+        )
+        pass  # gather.refresh_gathered(self.persistent)
+        rank = _rank()
+        log_dist(f"loaded checkpoint {ckpt_dir} (saved on {ckpt.world_size} rank(s))", ranks=[0])
+        return ckpt.model_file(min(rank, ckpt.world_size - 1)), ckpt.client_state(rank)
+
+    def _resolve_checkpoint_dir(self, load_dir: str, tag: Any) -> Optional[str]:
+        if tag is None:
+            tag = ckpt_io.read_latest(load_dir)
+            if tag is None:
+                if _rank() == 0:
+                    logger.warning(
+                        f"Unable to find latest file at {os.path.join(load_dir, ckpt_io.LATEST_FILE)}; "
+                        "pass tag= to load a specific checkpoint. Nothing was loaded."
+                    )
+                return None
+        ckpt_dir = os.path.join(load_dir, str(tag))
+        if not os.path.isdir(ckpt_dir):
+            if _rank() == 0:
+                logger.warning(f"Checkpoint {ckpt_dir} does not exist; nothing was loaded")
+            return None
+        return ckpt_dir
+
+    def _open_checkpoint(self, ckpt_dir: str, load_optim: bool, strict: bool) -> ShardedCheckpoint:
+        ckpt = ShardedCheckpoint.open(ckpt_dir)
+        shapes = {name: tuple(p.ds_shape) for name, p in self.module.named_parameters()}
+        ckpt_io.check_against_model(ckpt, shapes, strict)
+        self._check_buffers_fit(ckpt, strict)
+        if load_optim:
+            self._check_optimizer_fits(ckpt)
+        return ckpt
+
+    def _check_buffers_fit(self, ckpt: ShardedCheckpoint, strict: bool) -> None:
+        saved = ckpt.engine_entry("buffers") or {}
+        ours = dict(_persistent_buffers(self.module))
+        problems = [
+            f"buffer {n!r} is {tuple(saved[n].shape)} in the checkpoint, {tuple(b.shape)} in the model"
+            for n, b in ours.items()
+            if n in saved and saved[n].shape != b.shape
+        ]
+        if strict:
+            problems += [f"buffer {n!r} is missing from the checkpoint" for n in ours if n not in saved]
+            problems += [f"buffer {n!r} is not in the model" for n in saved if n not in ours]
+        if problems:
+            raise CheckpointError(f"{ckpt.model_file(0)}: does not match the model: {'; '.join(problems)}")
+
+    def _master_names(self) -> dict:
+        """id(master) -> parameter name, for the optimizer's fp32 masters."""
+        masters = self.optimizer.masters
+        return {
+            id(masters[p.ds_id]): name for name, p in self.module.named_parameters() if p.ds_id in masters
+        }
+
+    def _check_optimizer_fits(self, ckpt: ShardedCheckpoint) -> None:
+        where = ckpt.model_file(0)
+        if not ckpt.has_optimizer:
+            raise CheckpointError(
+                f"{where}: saved without optimizer states (by an engine without an optimizer); pass "
+                "load_optimizer_states=False to load only the weights"
+            )
+        names = self._master_names()
+        for name in names.values():
+            meta = ckpt.params.get(name)
+            if meta is not None and not meta.has_master:
+                raise CheckpointError(
+                    f"{where}: parameter {name!r} was frozen when saved, so it has no optimizer state; pass "
+                    "load_optimizer_states=False to load only the weights"
+                )
+        saved_groups = ckpt.optimizer_entry("param_groups")
+        groups = self.optimizer.optimizer.param_groups
+        if len(saved_groups) != len(groups):
+            raise CheckpointError(
+                f"{ckpt.optim_file(0)}: has {len(saved_groups)} optimizer param groups, the engine has {len(groups)}"
+            )
+        for i, (saved, group) in enumerate(zip(saved_groups, groups)):
+            members = set(saved["params"])
+            moved = [names[id(p)] for p in group["params"] if names[id(p)] in ckpt.params]
+            moved = [n for n in moved if n not in members]
+            if moved:
+                raise CheckpointError(
+                    f"{ckpt.optim_file(0)}: parameters {ckpt_io._names(moved)} are in param group {i} of the "
+                    "engine but in another group in the checkpoint"
+                )
+
+    def _apply_checkpoint(
+        self, ckpt: ShardedCheckpoint, load_optim: bool, load_sched: bool, module_only: bool
+    ) -> None:
+        # What can still refuse its input (scheduler, loss scaler) goes first: nothing is changed yet.
+        saved_scheduler = ckpt.engine_entry("lr_scheduler")
+        if load_sched and self.lr_scheduler is not None and saved_scheduler is not None:
+            self.lr_scheduler.load_state_dict(saved_scheduler)
+        if load_optim:
+            self.optimizer.loss_scaler.load_state_dict(ckpt.optimizer_entry("loss_scaler"))
+            self.optimizer.overflow = bool(ckpt.optimizer_entry("overflow"))
+            for saved, group in zip(
+                ckpt.optimizer_entry("param_groups"), self.optimizer.optimizer.param_groups
+            ):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+        self._apply_weights(ckpt, load_optim)
+        saved_buffers = ckpt.engine_entry("buffers") or {}
+        with torch.no_grad():
+            for name, buf in _persistent_buffers(self.module):
+                if name in saved_buffers:
+                    buf.copy_(saved_buffers[name])
+        if not module_only:
+            self.global_steps = ckpt.engine_entry("global_steps")
+            self.global_samples = ckpt.engine_entry("global_samples")
+            self.micro_steps = ckpt.engine_entry("micro_steps")
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()  # gradients of the interrupted step are not in the checkpoint
+
+    @torch.no_grad()
+    def _apply_weights(self, ckpt: ShardedCheckpoint, load_optim: bool) -> None:
+        """Cut this rank's shard of every saved parameter (see [Note: elastic resharding])."""
+        masters = self.optimizer.masters if self.optimizer is not None else {}
+        group_of = {}
+        if load_optim:
+            for group in self.optimizer.optimizer.param_groups:
+                group_of.update({id(p): group for p in group["params"]})
+        for name, param in self.module.named_parameters():
+            if name not in ckpt.params:
+                continue  # load_module_strict=False: the model keeps its own values
+            state = param._zero_state
+            weights = ckpt.resharded_weight(name, state.world_size, state.rank)
+            master = masters.get(state.ds_id)
+            if master is None:
+                state.shard.copy_(weights)
+                continue
+            master.data.copy_(weights)
+            state.shard.copy_(master.data)  # as the optimizer's write-back casts it
+            if load_optim:
+                saved = ckpt.resharded_optimizer_state(name, state.world_size, state.rank)
+                group = group_of[id(master)]
+                placed = {k: _place_state(k, v, master, group) for k, v in saved.items()}
+                if placed:
+                    self.optimizer.optimizer.state[master] = placed
+                else:
+                    self.optimizer.optimizer.state.pop(master, None)
+
+    # ================================================================== 16-bit export
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's `zero_optimization.stage3_gather_16bit_weights_on_model_save`."""
+        return bool(self._config.zero_config.gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
+        """The module's full state dict in the model dtype on rank 0 (None on other ranks).
+
+        Every rank must call it. Parameters are gathered one module at a time, so no more than
+        one module's parameters are whole at once; tied parameters share one tensor, and
+        persistent buffers are included, in `module.state_dict()` order.
+        """
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        rank0 = _rank() == 0
+        out: Optional[OrderedDict] = OrderedDict() if rank0 else None
+        seen: dict = {}  # id(param) -> the key it was stored under
+        for prefix, module in self.module.named_modules(remove_duplicate=False):
+            key = (prefix + ".") if prefix else ""
+            own = [
+                (key + n, p)
+                for n, p in module._parameters.items()
+                if p is not None and (p.requires_grad or not exclude_frozen_parameters)
+            ]
+            fresh = [p for _, p in own if id(p) not in seen]
+            gathered = GatheredParameters(fresh).start()
+            try:
+                for full_name, p in own:
+                    if id(p) in seen:
+                        value = out[seen[id(p)]] if rank0 else None
+                    else:
+                        seen[id(p)] = full_name
+                        value = p.data.detach().to("cpu", copy=True) if rank0 else None
+                    if rank0:
+                        out[full_name] = value
+            finally:
+                gathered.stop()
+            if rank0:
+                for n, buf in module._buffers.items():
+                    if buf is not None and n not in module._non_persistent_buffers_set:
+                        out[key + n] = buf.detach().to("cpu", copy=True)
+        return out
+
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Gather the full weights in the model dtype and have rank 0 write them with `torch.save`.
+
+        Every rank must call it. Returns False, writing nothing, when the config's
+        `stage3_gather_16bit_weights_on_model_save` is off (as upstream does under ZeRO-3).
+        """
+        path = os.path.join(save_dir, save_filename)
+        if not self.zero_gather_16bit_weights_on_model_save():
+            log_dist(
+                f"Did not save the model {path} because `stage3_gather_16bit_weights_on_model_save` is False",
+                ranks=[0],
+            )
+            return False
+        state_dict = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
+        def write() -> None:
+            if state_dict is not None:
+                os.makedirs(save_dir, exist_ok=True)
+                ckpt_io.atomic_torch_save(state_dict, path)
+
+        _on_all_ranks("save_16bit_model", write)
+        return True
+
+    def save_fp16_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """The older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)

@@ -127,14 +127,13 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: str, write: Callable[[Any], None]) -> None:
-    """Write through `write(file)` to a temporary name beside `path`, fsync, then rename onto it."""
+def atomic_save_to_path(path: str, save: Callable[[str], None]) -> None:
+    """Run `save(tmp)` for a temporary name beside `path`, fsync it, then rename it onto `path`."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(tmp, "xb") as f:
-            write(f)
-            f.flush()
+        save(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -144,13 +143,27 @@ def _atomic_write(path: str, write: Callable[[Any], None]) -> None:
     fsync_dir(directory)
 
 
+def _atomic_write(path: str, write: Callable[[Any], None]) -> None:
+    """Crash-safe write through `write(binary_file)` (see [Note: crash-safe writes])."""
+
+    def save(tmp: str) -> None:
+        with open(tmp, "xb") as f:
+            write(f)
+
+    atomic_save_to_path(path, save)
+
+
 def atomic_torch_save(obj: Any, path: str) -> None:
     """`torch.save(obj, path)`, crash-safe (see [Note: crash-safe writes])."""
     _atomic_write(path, lambda f: torch.save(obj, f))
 
 
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    _atomic_write(path, lambda f: f.write(data))
+
+
 def atomic_write_text(path: str, text: str) -> None:
-    _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def write_latest(save_dir: str, tag: str) -> None:
@@ -423,7 +436,7 @@ class ShardedCheckpoint:
             if canonical in out:
                 out[alias] = out[canonical]
         for name, buf in (self.engine_entry("buffers") or {}).items():
-            out[name] = buf.float() if buf.is_floating_point() else buf.clone()
+            out[name] = buf.to(torch.float32, copy=True) if buf.is_floating_point() else buf.clone()
         return out
 
 
@@ -454,9 +467,15 @@ def check_against_model(ckpt: ShardedCheckpoint, shapes: dict, strict: bool) -> 
     for name, shape in shapes.items():
         meta = ckpt.params.get(name)
         if meta is not None and tuple(meta.shape) != tuple(shape):
-            problems.append(f"shape of {name!r} is {tuple(meta.shape)} in the checkpoint, {tuple(shape)} in the model")
+            problems.append(
+                f"shape of {name!r} is {tuple(meta.shape)} in the checkpoint, {tuple(shape)} in the model"
+            )
     if problems:
-        hint = " (load_module_strict=False skips unknown and missing names)" if strict and (unexpected or missing) else ""
+        hint = (
+            " (load_module_strict=False skips unknown and missing names)"
+            if strict and (unexpected or missing)
+            else ""
+        )
         raise CheckpointError(f"{ckpt.model_file(0)}: does not match the model: {'; '.join(problems)}{hint}")
 
 

@@ -51,10 +51,26 @@ def _buckets_by_group_and_dtype(states: list) -> list:
     return list(buckets.values())
 
 
+def _adjacent_view(shards: list) -> Optional[torch.Tensor]:
+    """One 1D view spanning `shards` when they lie back to back in one storage, else None."""
+    first = shards[0]
+    storage, end = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in shards:
+        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != end or not t.is_contiguous():
+            return None
+        end += t.numel()
+    return first.as_strided((end - first.storage_offset(),), (1,))
+
+
 def _all_gather_shards(states: list, device: torch.device, async_op: bool) -> tuple:
-    """One all-gather of the concatenated shards of `states` (one group and dtype): (output, handle)."""
+    """One all-gather of the concatenated shards of `states` (one group and dtype): (output, handle).
+
+    Shards that Init placed back to back (one module's) are sent as one view, with no copy.
+    """
     shards = [s.shard.to(device, non_blocking=True) for s in states]
-    flat_in = shards[0] if len(shards) == 1 else torch.cat(shards)
+    flat_in = shards[0] if len(shards) == 1 else _adjacent_view(shards)
+    if flat_in is None:
+        flat_in = torch.cat(shards)
     flat_out = torch.empty(states[0].world_size * flat_in.numel(), dtype=flat_in.dtype, device=device)
     handle = dist.all_gather_into_tensor(flat_out, flat_in, group=states[0].group, async_op=async_op)
     return flat_out, handle
@@ -97,7 +113,9 @@ def _cut_full_tensors(flat_out: torch.Tensor, states: list) -> list:
         s = states[0]
         return [rows.reshape(-1)[: s.numel].view(s.shape)]
     # One fused copy moves every parameter's column block into its own padded buffer.
-    padded = [torch.empty(world, s.partition_size, dtype=flat_out.dtype, device=flat_out.device) for s in states]
+    padded = [
+        torch.empty(world, s.partition_size, dtype=flat_out.dtype, device=flat_out.device) for s in states
+    ]
     torch.split_with_sizes_copy(rows, [s.partition_size for s in states], dim=1, out=padded)
     return [buf.view(-1)[: s.numel].view(s.shape) for buf, s in zip(padded, states)]
 

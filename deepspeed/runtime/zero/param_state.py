@@ -135,7 +135,13 @@ class ZeroParamState:
     external_owners: list  # modules this parameter is registered with as external
 
     def __init__(
-        self, param: nn.Parameter, group: Any, world_size: int, rank: int, remote_device=None
+        self,
+        param: nn.Parameter,
+        group: Any,
+        world_size: int,
+        rank: int,
+        remote_device=None,
+        shard_out: Optional[torch.Tensor] = None,
     ) -> None:
         self.param = param
         self.ds_id = PARAM_IDS.next()
@@ -145,7 +151,9 @@ class ZeroParamState:
         self.world_size = world_size
         self.rank = rank
         self.partition_size, self.padding = shard_sizes(self.numel, world_size)
-        self.shard = self._make_shard(param.data, remote_device)
+        self.shard = self._make_shard(param.data, remote_device, shard_out)
+        # What param.data holds while partitioned: shape [0], the parameter's dtype and device.
+        self.placeholder = _empty_like_data(param.data)
         self.status = ZeroParamStatus.AVAILABLE
         self.holders = 0
         self.persist = False
@@ -167,6 +175,7 @@ class ZeroParamState:
         state.param = param
         state.ds_id = PARAM_IDS.next()
         state.shard = source.shard.clone()
+        state.placeholder = _empty_like_data(source.placeholder)
         state.status = ZeroParamStatus.NOT_AVAILABLE
         state.holders = 0
         state.active_sub_modules = set()
@@ -176,9 +185,14 @@ class ZeroParamState:
 
     # ------------------------------------------------------------------ shard I/O
 
-    def _make_shard(self, full: torch.Tensor, remote_device) -> torch.Tensor:
-        device = torch.device(remote_device) if remote_device is not None else full.device
-        shard = torch.zeros(self.partition_size, dtype=full.dtype, device=device)
+    def _make_shard(
+        self, full: torch.Tensor, remote_device, shard_out: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        if shard_out is None:
+            device = torch.device(remote_device) if remote_device is not None else full.device
+            shard = torch.zeros(self.partition_size, dtype=full.dtype, device=device)
+        else:
+            shard = shard_out  # a zeroed view into a flat buffer shared with sibling parameters
         self._copy_own_slice(full, shard)
         return shard
 
@@ -215,7 +229,8 @@ class ZeroParamState:
     def to_available(self, full: torch.Tensor) -> None:
         """Install the gathered tensor (shape `self.shape`) as the parameter's data."""
         self._require(ZeroParamStatus.INFLIGHT, "to_available")
-        self.param.data = full
+        with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
+            self.param.data = full
         self.pending = None
         self.status = ZeroParamStatus.AVAILABLE
 
@@ -225,7 +240,8 @@ class ZeroParamState:
         assert self.holders == 0, (
             f"[rank {self.rank}] ds_id={self.ds_id} released with {self.holders} holders"
         )
-        self.param.data = _empty_like_data(self.param)
+        with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
+            self.param.data = self.placeholder
         self.status = ZeroParamStatus.NOT_AVAILABLE
 
     # ------------------------------------------------------------------ holders
@@ -384,10 +400,18 @@ def is_zero_param(tensor: Any) -> bool:
 
 
 def make_zero_param(
-    param: nn.Parameter, group: Any, world_size: int, rank: int, remote_device=None
+    param: nn.Parameter,
+    group: Any,
+    world_size: int,
+    rank: int,
+    remote_device=None,
+    shard_out: Optional[torch.Tensor] = None,
 ) -> ZeroParameter:
-    """Attach state to `param` and switch its class (see the note); its full data stays in place."""
-    state = ZeroParamState(param, group, world_size, rank, remote_device)
+    """Attach state to `param` and switch its class (see the note); its full data stays in place.
+
+    `shard_out`, when given, is a zeroed `[partition_size]` tensor to hold the shard.
+    """
+    state = ZeroParamState(param, group, world_size, rank, remote_device, shard_out)
     param.__class__ = ZeroParameter
     param._zero_state = state
     return param

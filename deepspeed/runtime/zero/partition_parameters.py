@@ -262,15 +262,36 @@ def convert_params(params: list, settings: _InitSettings) -> None:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
-    for p in params:
-        make_zero_param(p, settings.group, settings.world_size, settings.rank, settings.remote_device)
-        state = p._zero_state
-        state.sanity_checks = settings.sanity_checks
-        if settings.pin_memory:
-            state.shard = accelerator.pin_memory(state.shard)
-        gather.partition_new_state(state)
+    shard_views = _flat_shard_views(params, settings, accelerator)
+    for p, view in zip(params, shard_views):
+        make_zero_param(p, settings.group, settings.world_size, settings.rank, settings.remote_device, view)
+        p._zero_state.sanity_checks = settings.sanity_checks
+        gather.partition_new_state(p._zero_state)
     if sum(p.ds_numel * p.element_size() for p in params) >= _TRIM_AFTER_BYTES:
         accelerator.empty_cache()  # hand the freed full tensors back (glibc keeps them otherwise)
+
+
+def _flat_shard_views(params: list, settings: _InitSettings, accelerator) -> list:
+    """Zeroed shard tensors for `params`, adjacent views of one flat buffer per dtype.
+
+    A module's shards then sit next to each other, so gathering the module (what the engine
+    does) feeds the all-gather a view instead of concatenating (see gather.py).
+    """
+    from deepspeed.runtime.zero.param_state import shard_sizes
+
+    device = torch.device(settings.remote_device) if settings.remote_device else settings.device
+    sizes = [shard_sizes(p.numel(), settings.world_size)[0] for p in params]
+    views: list = [None] * len(params)
+    by_dtype: dict = {}
+    for i, p in enumerate(params):
+        by_dtype.setdefault(p.dtype, []).append(i)
+    for dtype, indices in by_dtype.items():
+        flat = torch.zeros(sum(sizes[i] for i in indices), dtype=dtype, device=device)
+        if settings.pin_memory:
+            flat = accelerator.pin_memory(flat)
+        for i, piece in zip(indices, torch.split(flat, [sizes[i] for i in indices])):
+            views[i] = piece
+    return views
 
 
 def _gathered_apply(module: nn.Module, fn) -> nn.Module:

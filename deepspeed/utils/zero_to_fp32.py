@@ -1,0 +1,292 @@
+"""Consolidate a sharded ZeRO-3 checkpoint into one fp32 state dict; needs no torch.distributed.
+
+    zero_to_fp32 CHECKPOINT_DIR OUTPUT [-t TAG] [--safe_serialization] [--max_shard_size 5GB]
+                 [--exclude_frozen_parameters]
+
+CHECKPOINT_DIR is the folder given to `engine.save_checkpoint` (it holds `latest` and a
+folder per tag; a tag folder itself is accepted too). OUTPUT is either a file name ending
+in `.bin`, `.pt`, `.pth` or `.safetensors`, or a folder, which receives
+`pytorch_model.bin` (or `model.safetensors` with `--safe_serialization`), split into
+numbered shards plus an index file, Hugging Face style, when larger than `max_shard_size`.
+The same logic runs from Python:
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    state_dict = get_fp32_state_dict_from_zero_checkpoint("checkpoints")  # {name: fp32 tensor}
+    model.load_state_dict(state_dict)
+
+Files are memory-mapped and each parameter is put together from its shards once, so the
+peak memory is about the size of the fp32 model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+from collections import OrderedDict
+from typing import Optional, Union
+
+import torch
+
+from deepspeed.runtime.zero.checkpoint_io import (
+    CheckpointError,
+    ShardedCheckpoint,
+    atomic_save_to_path,
+    atomic_torch_save,
+    atomic_write_bytes,
+    model_states_name,
+    read_latest,
+)
+
+__all__ = [
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "get_model_state_file",
+    "get_model_state_files",
+    "get_optim_files",
+    "load_state_dict_from_zero_checkpoint",
+    "main",
+]
+
+WEIGHTS_NAME = "pytorch_model.bin"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+_FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+# ============================================================================ locating files
+
+
+def _natural_key(path: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def get_model_state_file(checkpoint_dir: str, zero_stage: int) -> str:
+    """The model-states file a tag folder's readers start from (rank 0's, for ZeRO-3)."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    name = "mp_rank_00_model_states.pt" if zero_stage <= 2 else model_states_name(0)
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"can't find model states file at '{path}'")
+    return path
+
+
+def _rank_files(checkpoint_dir: str, suffix: str) -> list:
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, f"*{suffix}")), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"can't find '*{suffix}' files in directory '{checkpoint_dir}'")
+    return files
+
+
+def get_model_state_files(checkpoint_dir: str) -> list:
+    """Every rank's `*_model_states.pt` in a tag folder, in rank order."""
+    return _rank_files(checkpoint_dir, "_model_states.pt")
+
+
+def get_optim_files(checkpoint_dir: str) -> list:
+    """Every rank's `*_optim_states.pt` in a tag folder, in rank order."""
+    return _rank_files(checkpoint_dir, "_optim_states.pt")
+
+
+def _tag_dir(checkpoint_dir: str, tag: Optional[str]) -> str:
+    if tag is None:
+        tag = read_latest(checkpoint_dir)
+        if tag is None:
+            if os.path.isfile(os.path.join(checkpoint_dir, model_states_name(0))):
+                return checkpoint_dir  # pointed at a tag folder itself
+            raise ValueError(
+                f"Unable to find 'latest' file at {os.path.join(checkpoint_dir, 'latest')}; pass tag= "
+                "(or -t TAG) to name the checkpoint folder"
+            )
+    path = os.path.join(checkpoint_dir, str(tag))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Directory '{path}' doesn't exist")
+    return path
+
+
+# ============================================================================ consolidating
+
+
+def _progress(items: list) -> list:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a dependency, but the conversion must not depend on a bar
+        return items
+    return tqdm(items, desc="Consolidating parameters", unit="param", disable=not sys.stderr.isatty())
+
+
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str, tag: Optional[str] = None, exclude_frozen_parameters: bool = False
+) -> OrderedDict:
+    """`{name: full fp32 tensor}` of the parameters (tied names included) and buffers.
+
+    `checkpoint_dir` is the folder with `latest`; `tag` picks another tag folder. The keys
+    are `module.state_dict()` names of the model the engine wrapped (no `module.` prefix).
+    Raises `CheckpointError` naming the file for a missing, truncated or mismatched file.
+    """
+    ckpt = ShardedCheckpoint.open(_tag_dir(checkpoint_dir, tag))
+    return ckpt.fp32_state_dict(exclude_frozen_parameters, progress=_progress)
+
+
+def load_state_dict_from_zero_checkpoint(
+    model: torch.nn.Module, checkpoint_dir: str, tag: Optional[str] = None
+):
+    """Move `model` to the CPU and load the consolidated fp32 weights into it (non-strict)."""
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state_dict, strict=False)
+    return model
+
+
+# ============================================================================ writing
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes in `size`: an int, or text such as `"5GB"` (powers of 10) or `"500MiB"` (of 2)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
+    unit = match.group(2).upper() if match else None
+    if unit not in _SIZE_UNITS:
+        raise ValueError(f"max_shard_size={size!r}: expected a byte count such as 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _split_by_size(state_dict: dict, limit: int) -> list:
+    """Consecutive groups of keys, each under `limit` bytes unless one tensor alone is larger."""
+    shards: list = [[]]
+    size = 0
+    for name, t in state_dict.items():
+        if shards[-1] and size + _nbytes(t) > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += _nbytes(t)
+    return shards
+
+
+def _untied(state_dict: dict) -> dict:
+    """Safetensors refuses tensors sharing memory: give each tied name its own copy."""
+    seen: set = set()
+    out = {}
+    for name, t in state_dict.items():
+        out[name] = t.clone() if id(t) in seen else t.contiguous()
+        seen.add(id(t))
+    return out
+
+
+def _write_weights(state_dict: dict, path: str, safe: bool) -> None:
+    if not safe:
+        atomic_torch_save(state_dict, path)
+        return
+    try:
+        from safetensors.torch import save_file
+    except ImportError as err:
+        raise ImportError(
+            "safe_serialization=True needs the `safetensors` package: pip install safetensors"
+        ) from err
+    tensors = _untied(state_dict)
+    atomic_save_to_path(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+
+
+def _write_folder(state_dict: dict, output_dir: str, limit: int, safe: bool) -> list:
+    os.makedirs(output_dir, exist_ok=True)
+    base = SAFE_WEIGHTS_NAME if safe else WEIGHTS_NAME
+    groups = _split_by_size(state_dict, limit)
+    if len(groups) == 1:
+        path = os.path.join(output_dir, base)
+        _write_weights(state_dict, path, safe)
+        return [path]
+    stem, ext = os.path.splitext(base)
+    weight_map, paths = {}, []
+    for i, names in enumerate(groups, start=1):
+        file_name = f"{stem}-{i:05d}-of-{len(groups):05d}{ext}"
+        _write_weights({n: state_dict[n] for n in names}, os.path.join(output_dir, file_name), safe)
+        weight_map.update({n: file_name for n in names})
+        paths.append(os.path.join(output_dir, file_name))
+    total = sum(_nbytes(t) for t in {id(t): t for t in state_dict.values()}.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index_path = os.path.join(output_dir, f"{base}.index.json")
+    atomic_write_bytes(index_path, json.dumps(index, indent=2, sort_keys=True).encode("utf-8"))
+    return paths + [index_path]
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str,
+    output_dir: str,
+    max_shard_size: Union[int, str] = "5GB",
+    safe_serialization: bool = False,
+    tag: Optional[str] = None,
+    exclude_frozen_parameters: bool = False,
+) -> list:
+    """Write the consolidated fp32 state dict; returns the paths written.
+
+    `output_dir` may also be a file name ending in `.bin`, `.pt`, `.pth` or `.safetensors`
+    (then it is one file, in safetensors format if the name or `safe_serialization` says
+    so). A folder gets `pytorch_model.bin` / `model.safetensors`, sharded past `max_shard_size`.
+    """
+    limit = parse_size(max_shard_size)
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    if str(output_dir).endswith(_FILE_SUFFIXES) and not os.path.isdir(output_dir):
+        safe = safe_serialization or str(output_dir).endswith(".safetensors")
+        parent = os.path.dirname(os.path.abspath(output_dir))
+        os.makedirs(parent, exist_ok=True)
+        _write_weights(state_dict, output_dir, safe)
+        return [output_dir]
+    return _write_folder(state_dict, output_dir, limit, safe_serialization)
+
+
+# ============================================================================ command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zero_to_fp32",
+        description="Consolidate a sharded ZeRO-3 checkpoint into one fp32 state dict.",
+    )
+    parser.add_argument("checkpoint_dir", help="the folder given to save_checkpoint (holds 'latest')")
+    parser.add_argument(
+        "output_dir",
+        help="an output file (.bin/.pt/.pth/.safetensors) or a folder for pytorch_model.bin / model.safetensors",
+    )
+    parser.add_argument(
+        "-t", "--tag", default=None, help="the checkpoint tag folder (default: from 'latest')"
+    )
+    parser.add_argument("--safe_serialization", action="store_true", help="write safetensors")
+    parser.add_argument("--max_shard_size", default="5GB", help="split folder output past this size")
+    parser.add_argument(
+        "--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out"
+    )
+    return parser
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        paths = convert_zero_checkpoint_to_fp32_state_dict(
+            args.checkpoint_dir,
+            args.output_dir,
+            max_shard_size=args.max_shard_size,
+            safe_serialization=args.safe_serialization,
+            tag=args.tag,
+            exclude_frozen_parameters=args.exclude_frozen_parameters,
+        )
+    except (CheckpointError, FileNotFoundError, ValueError, ImportError) as err:
+        print(f"zero_to_fp32: error: {err}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(f"Saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
