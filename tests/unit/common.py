@@ -45,6 +45,7 @@ from typing import Any, Optional
 import pytest
 
 DEFAULT_TIMEOUT_S = 180.0
+STARTUP_TIMEOUT_S = 180.0  # spawning ranks and importing torch, on a loaded 2-core machine
 PEER_GRACE_S = 10.0
 # A collective waits this long for a dead peer before it raises (DEEPSPEED_TIMEOUT, minutes).
 RANK_COLLECTIVE_TIMEOUT_MIN = "2"
@@ -123,6 +124,7 @@ def _rank_main(rank, size, port, backend, init_dist, tasks, results, stack_path)
     except BaseException:
         results.put((rank, "error", "init_distributed failed:\n" + traceback.format_exc()))
         return
+    results.put((rank, "ready", ""))
     while True:
         task = tasks.get()
         if task is None:
@@ -166,6 +168,18 @@ class _RankPool:
             proc = ctx.Process(target=_rank_main, args=args, daemon=True)
             proc.start()
             self.procs.append(proc)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """Block until every rank has started and joined its group, so task timeouts exclude start-up."""
+        outcomes = self._collect(STARTUP_TIMEOUT_S)
+        failed = {r: text for r, (status, text) in outcomes.items() if status != "ready"}
+        if failed or len(outcomes) < self.size:
+            missing = sorted(set(range(self.size)) - set(outcomes))
+            self.close()
+            raise AssertionError(
+                self._report(("start-up", "rank pool", "init"), failed, missing, STARTUP_TIMEOUT_S)
+            )
 
     def run(self, task: tuple, timeout_s: float) -> None:
         for q in self.task_queues:
