@@ -123,8 +123,8 @@ class CheckpointMixin:
         Every rank must call it. `tag` defaults to `global_step{global_steps}`;
         `client_state` is returned by `load_checkpoint`. Returns True.
         """
-        tag = ckpt_io.check_tag(f"global_step{self.global_steps}" if tag is None else tag)
-        header = self._save_header(tag)
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        header = self._save_header(tag)  # collective: before anything that can fail on one rank
         ckpt_dir = os.path.join(save_dir, tag)
         _on_all_ranks(
             "save_checkpoint",
@@ -158,6 +158,7 @@ class CheckpointMixin:
     def _write_rank_files(
         self, ckpt_dir: str, header: dict, tag: str, client_state: dict, exclude_frozen: bool
     ) -> None:
+        ckpt_io.check_tag(tag)
         if header["tag"] != tag:
             raise ValueError(f"checkpoint tag {tag!r} differs from rank 0's {header['tag']!r}; pass one tag")
         entries = self._checkpoint_entries(exclude_frozen)
@@ -290,10 +291,10 @@ class CheckpointMixin:
         _on_all_ranks(
             "load_checkpoint", self._apply_checkpoint, ckpt, load_optim, load_sched, load_module_only
         )
-        pass  # gather.refresh_gathered(self.persistent)
+        gather.refresh_gathered(self.persistent)
         rank = _rank()
         log_dist(f"loaded checkpoint {ckpt_dir} (saved on {ckpt.world_size} rank(s))", ranks=[0])
-        return ckpt.model_file(min(rank, ckpt.world_size - 1)), ckpt.client_state(rank)
+        return ckpt.model_file(rank if rank < ckpt.world_size else 0), ckpt.client_state(rank)
 
     def _resolve_checkpoint_dir(self, load_dir: str, tag: Any) -> Optional[str]:
         if tag is None:

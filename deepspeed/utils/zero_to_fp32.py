@@ -1,4 +1,4 @@
-"""Consolidate a sharded ZeRO-3 checkpoint into one fp32 state dict; needs no torch.distributed.
+"""Consolidate a sharded ZeRO-3 checkpoint into one fp32 state dict; needs no process group.
 
     zero_to_fp32 CHECKPOINT_DIR OUTPUT [-t TAG] [--safe_serialization] [--max_shard_size 5GB]
                  [--exclude_frozen_parameters]

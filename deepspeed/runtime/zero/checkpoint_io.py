@@ -2,7 +2,7 @@
 
 No collectives live here: this module writes and reads files and cuts tensors. The engine
 (`deepspeed/runtime/checkpointing.py`) decides what each rank writes and makes the ranks
-agree; `deepspeed/utils/zero_to_fp32.py` reads the same files without torch.distributed.
+agree; `deepspeed/utils/zero_to_fp32.py` reads the same files with no process group.
 
 [Note: checkpoint layout]
     save_dir/
@@ -209,12 +209,16 @@ def read_latest(load_dir: str) -> Optional[str]:
     return tag
 
 
-def load_file(path: str, what: str, weights_only: bool) -> dict:
-    """`torch.load` a checkpoint file memory-mapped on the CPU, or raise `CheckpointError` naming it."""
+def load_file(path: str, what: str) -> dict:
+    """`torch.load` a checkpoint file memory-mapped on the CPU, or raise `CheckpointError` naming it.
+
+    The files are pickles (client state and param groups may hold any picklable object), as
+    upstream's are: load only checkpoints you trust.
+    """
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing ({what}); the checkpoint is incomplete")
     try:
-        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as err:  # torch raises RuntimeError, EOFError, pickle errors, ...
         raise CheckpointError(
             f"{path}: cannot read the {what}: the file is truncated or corrupt ({type(err).__name__}: {err})"
@@ -305,20 +309,20 @@ class ShardedCheckpoint:
         if not os.path.isdir(directory):
             raise CheckpointError(f"{directory}: no such checkpoint directory")
         first_path = os.path.join(directory, model_states_name(0))
-        first = load_file(first_path, "model states of rank 0", weights_only=False)
+        first = load_file(first_path, "model states of rank 0")
         world = first.get("world_size")
         if not isinstance(world, int) or world < 1:
             raise CheckpointError(f"{first_path}: invalid saving world_size {world!r}")
         model_states = [first]
         for r in range(1, world):
             path = os.path.join(directory, model_states_name(r))
-            model_states.append(load_file(path, f"model states of rank {r}", weights_only=False))
+            model_states.append(load_file(path, f"model states of rank {r}"))
         optim_states = None
         if first.get("has_optimizer"):
             optim_states = []
             for r in range(world):
                 path = os.path.join(directory, optim_states_name(r))
-                optim_states.append(load_file(path, f"optimizer states of rank {r}", weights_only=True))
+                optim_states.append(load_file(path, f"optimizer states of rank {r}"))
         ckpt = cls(directory, model_states, optim_states)
         ckpt._check_headers()
         ckpt._check_shards()
@@ -420,7 +424,8 @@ class ShardedCheckpoint:
 
     def client_state(self, rank: int) -> dict:
         """The client state saved by rank `rank` (rank 0's for ranks the save did not have)."""
-        return dict(self.model_states[min(rank, self.world_size - 1)].get("client_state") or {})
+        source = self.model_states[rank if rank < self.world_size else 0]
+        return dict(source.get("client_state") or {})
 
     def fp32_state_dict(self, exclude_frozen_parameters: bool = False, progress: Optional[Callable] = None):
         """An OrderedDict of full fp32 parameters (tied names included) and buffers."""

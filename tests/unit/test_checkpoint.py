@@ -1,0 +1,450 @@
+"""Sharded ZeRO-3 checkpoints: elastic load, zero_to_fp32, crash safety, 16-bit export.
+
+[Note: one 2-rank checkpoint shared by the load tests]
+The harness runs each world size in its own pool of ranks, and pools cannot nest, so a
+test at world size 1 or 4 cannot itself start a 2-rank save. Instead the module-scoped
+fixture `two_rank_checkpoint` runs in the pytest parent process and calls the harness's
+`_run_distributed` on `_SaveOnTwo` (a `DistributedTest` whose name pytest does not
+collect) at world size 2. Those ranks train for `SAVE_STEPS`, save, record the gathered
+parameters, then train `MORE_STEPS` more (the run that never stopped) and record its
+losses and parameters in `reference.pt`. The load tests at world sizes 1, 2 and 4, and
+the zero_to_fp32 tests (plain, in the parent process), read that directory.
+"""
+
+import os
+import subprocess
+import sys
+from collections import OrderedDict, defaultdict, namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+from deepspeed.runtime.zero import checkpoint_io
+from deepspeed.runtime.zero.checkpoint_io import CheckpointError, model_states_name, optim_states_name
+from deepspeed.utils import zero_to_fp32
+from tests.unit.common import DistributedTest, _run_distributed
+from tests.unit.test_engine import GLOBAL_BATCH, WIDTH, TinyLM, batches, gathered_params, my_slice
+
+SAVE_STEPS, MORE_STEPS = 3, 2
+CLIENT_STATE = {"epoch": 7, "note": "resume here"}
+
+
+class BufferedLM(TinyLM):
+    """TinyLM plus a persistent buffer (saved) and a non-persistent one (not saved)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 3))
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+
+
+def train_config(micro=None, **extra):
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro or GLOBAL_BATCH // dist.get_world_size(),
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 10},
+        },
+        # Small parameters stay gathered: loading must refresh them too.
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 50},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def build(cfg, seed=42, model_cls=BufferedLM):
+    torch.manual_seed(seed)
+    engine, *_ = deepspeed.initialize(model=model_cls(), config=cfg)
+    return engine
+
+
+def train(engine, data):
+    losses = []
+    for ids, labels in data:
+        loss = engine(my_slice(ids), my_slice(labels))
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    return losses
+
+
+def all_data():
+    return batches(SAVE_STEPS + MORE_STEPS, seed=3)
+
+
+def assert_equal_params(got, expected):
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+class _SaveOnTwo(DistributedTest):
+    """Not collected: the fixture below runs it at world size 2 (see the module note)."""
+
+    world_size = 2
+
+    def test_save(self, path):
+        data = all_data()
+        engine = build(train_config())
+        train(engine, data[:SAVE_STEPS])
+        engine.save_checkpoint(path, client_state=CLIENT_STATE)
+        saved = gathered_params(engine.module)
+        buffers = {n: b.clone() for n, b in engine.module.named_buffers()}
+        losses = train(engine, data[SAVE_STEPS:])
+        final = gathered_params(engine.module)
+        if dist.get_rank() == 0:
+            reference = {"saved": saved, "buffers": buffers, "losses": losses, "final": final}
+            torch.save(reference, os.path.join(path, "reference.pt"))
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("two_rank_checkpoint"))
+    _run_distributed(_SaveOnTwo, "test_save", 2, {"path": path})
+    return path
+
+
+def load_reference(path):
+    return torch.load(os.path.join(path, "reference.pt"))
+
+
+# ============================================================================ elastic load
+
+
+class TestElasticLoad(DistributedTest):
+    world_size = [1, 2, 4]
+
+    def test_resume_matches_the_run_that_never_stopped(self, two_rank_checkpoint):
+        reference = load_reference(two_rank_checkpoint)
+        engine = build(train_config(), seed=0)  # other initial weights: all must come from the file
+        path, client_state = engine.load_checkpoint(two_rank_checkpoint)
+        assert client_state == CLIENT_STATE
+        assert os.path.basename(path).endswith("_model_states.pt") and os.path.isfile(path)
+        assert (engine.global_steps, engine.global_samples) == (SAVE_STEPS, SAVE_STEPS * GLOBAL_BATCH)
+        assert engine.lr_scheduler.last_batch_iteration == SAVE_STEPS - 1
+        assert_equal_params(gathered_params(engine.module), reference["saved"])
+        torch.testing.assert_close(engine.module.scale, reference["buffers"]["scale"], rtol=0, atol=0)
+        losses = train(engine, all_data()[SAVE_STEPS:])
+        if dist.get_world_size() == 2:
+            assert losses == reference["losses"]  # same ranks, same reduction order: bit for bit
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
+        final = gathered_params(engine.module)
+        for name, value in reference["final"].items():
+            torch.testing.assert_close(final[name], value, rtol=1e-5, atol=5e-5, msg=name)
+
+    def test_inference_engine_loads_the_weights(self, two_rank_checkpoint):
+        reference = load_reference(two_rank_checkpoint)
+        base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+        engine = build(base, seed=0)
+        assert engine.optimizer is None
+        path, client_state = engine.load_checkpoint(two_rank_checkpoint)
+        assert path is not None and client_state == CLIENT_STATE
+        assert_equal_params(gathered_params(engine.module), reference["saved"])
+        bf16 = build({**base, "bf16": {"enabled": True}}, seed=0)
+        bf16.load_checkpoint(two_rank_checkpoint)
+        with deepspeed.zero.GatheredParameters(list(bf16.module.parameters())):
+            for name, p in bf16.module.named_parameters():
+                assert p.dtype == torch.bfloat16
+                assert torch.equal(p.data, reference["saved"][name].to(torch.bfloat16)), name
+
+    def test_nothing_to_load_returns_none(self, tmp_path):
+        engine = build(train_config())
+        assert engine.load_checkpoint(str(tmp_path)) == (None, None)  # no `latest`
+        assert engine.load_checkpoint(str(tmp_path), tag="absent") == (None, None)
+
+
+# ============================================================================ zero_to_fp32 (no torch.distributed)
+
+
+def test_zero_to_fp32_equals_the_gathered_parameters(two_rank_checkpoint):
+    reference = load_reference(two_rank_checkpoint)
+    state_dict = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(two_rank_checkpoint)
+    assert list(state_dict)[: len(reference["saved"])] == list(reference["saved"])  # model order
+    params = {n: t for n, t in state_dict.items() if n in reference["saved"]}
+    assert_equal_params(params, reference["saved"])
+    assert all(t.dtype == torch.float32 for t in state_dict.values())
+    assert torch.equal(state_dict["scale"], reference["buffers"]["scale"])
+    assert "scratch" not in state_dict  # non-persistent buffers are not part of a state dict
+    tag_dir = os.path.join(two_rank_checkpoint, f"global_step{SAVE_STEPS}")
+    assert zero_to_fp32.get_model_state_file(tag_dir, 3).endswith(model_states_name(0))
+    assert [os.path.basename(f) for f in zero_to_fp32.get_optim_files(tag_dir)] == [
+        optim_states_name(0),
+        optim_states_name(1),
+    ]
+    with pytest.raises(FileNotFoundError):
+        zero_to_fp32.get_optim_files(two_rank_checkpoint)
+
+
+def test_zero_to_fp32_cli_writes_bin_and_safetensors(two_rank_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    expected = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(two_rank_checkpoint)
+    # The console script's module, in a fresh interpreter with no process group.
+    out_bin = tmp_path / "model.bin"
+    cmd = [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", two_rank_checkpoint, str(out_bin)]
+    subprocess.run([*cmd, "-t", f"global_step{SAVE_STEPS}"], check=True, capture_output=True)
+    assert_equal_params(torch.load(out_bin), expected)
+    # In-process main(): a folder of safetensors shards with an index.
+    out_dir = tmp_path / "hf"
+    assert (
+        zero_to_fp32.main(
+            [two_rank_checkpoint, str(out_dir), "--safe_serialization", "--max_shard_size", "2KB"]
+        )
+        == 0
+    )
+    shards = sorted(p for p in os.listdir(out_dir) if p.endswith(".safetensors"))
+    assert len(shards) > 1 and (out_dir / "model.safetensors.index.json").is_file()
+    merged = {}
+    for shard in shards:
+        merged.update(load_file(str(out_dir / shard)))
+    assert_equal_params(merged, expected)
+    assert zero_to_fp32.main([str(tmp_path / "nowhere"), str(tmp_path / "x.bin")]) == 1
+
+
+def test_zero_to_fp32_names_a_truncated_file(two_rank_checkpoint, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(two_rank_checkpoint, copy)
+    victim = copy / f"global_step{SAVE_STEPS}" / optim_states_name(1)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=str(victim)):
+        zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(copy))
+
+
+# ============================================================================ crash safety and errors
+
+
+def gathered_now(engine):
+    return gathered_params(engine.module)
+
+
+class TestCrashSafety(DistributedTest):
+    world_size = 2
+
+    def test_interrupted_saves_leave_the_previous_tag_loadable(self, tmp_path, monkeypatch):
+        root = str(tmp_path)
+        engine = build(train_config())
+        train(engine, all_data()[:1])
+        engine.save_checkpoint(root, tag="good")
+        good = gathered_now(engine)
+        train(engine, all_data()[1:2])
+
+        # A rank dies half-way through writing a shard: that file never appears under its name.
+        def torn_save(obj, f):
+            f.write(b"half a file")
+            raise OSError("disk full (simulated)")
+
+        if dist.get_rank() == 1:
+            monkeypatch.setattr(torch, "save", torn_save)
+        with pytest.raises(CheckpointError, match="rank 1: OSError: disk full"):
+            engine.save_checkpoint(root, tag="torn")
+        monkeypatch.undo()
+        assert not os.path.exists(os.path.join(root, "torn", model_states_name(1)))
+        assert not [n for n in os.listdir(os.path.join(root, "torn")) if n.endswith(".tmp")]
+
+        # Killed between the shard writes and `latest`: every rank raises, `latest` is unchanged.
+        def killed(save_dir, tag):
+            raise OSError("killed before latest (simulated)")
+
+        monkeypatch.setattr(checkpoint_io, "write_latest", killed)
+        with pytest.raises(CheckpointError, match="rank 0: OSError: killed before latest"):
+            engine.save_checkpoint(root, tag="unpublished")
+        monkeypatch.undo()
+        assert checkpoint_io.read_latest(root) == "good"
+        assert os.path.isfile(os.path.join(root, "unpublished", optim_states_name(1)))
+
+        fresh = build(train_config(), seed=1)
+        path, _ = fresh.load_checkpoint(root)
+        assert os.path.dirname(path) == os.path.join(root, "good")
+        assert_equal_params(gathered_now(fresh), good)
+
+    def test_truncated_or_missing_shard_fails_on_every_rank(self, tmp_path):
+        root = str(tmp_path)
+        engine = build(train_config())
+        train(engine, all_data()[:1])
+        engine.save_checkpoint(root, tag="t")
+        before = gathered_now(engine)
+        victim = os.path.join(root, "t", optim_states_name(1))
+        if dist.get_rank() == 0:
+            with open(victim, "r+b") as f:
+                f.truncate(os.path.getsize(victim) // 2)
+        dist.barrier()
+        with pytest.raises(CheckpointError, match="truncated or corrupt") as info:
+            engine.load_checkpoint(root)
+        assert victim in str(info.value)
+        assert_equal_params(gathered_now(engine), before)  # nothing was half-loaded
+        assert engine.global_steps == 1
+
+        missing = os.path.join(root, "t", model_states_name(1))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.remove(missing)
+        dist.barrier()
+        with pytest.raises(CheckpointError, match="missing") as info:
+            engine.load_checkpoint(root, tag="t")
+        assert missing in str(info.value)
+
+    def test_an_error_seen_by_one_rank_raises_on_all(self, tmp_path, monkeypatch):
+        root = str(tmp_path)
+        engine = build(train_config())
+        engine.save_checkpoint(root)
+        if dist.get_rank() == 1:
+
+            def unreadable(directory):
+                raise CheckpointError(f"{directory}: unreadable on this node (simulated)")
+
+            monkeypatch.setattr(checkpoint_io.ShardedCheckpoint, "open", unreadable)
+        with pytest.raises(CheckpointError, match="rank 1: .*unreadable on this node"):
+            engine.load_checkpoint(root)
+
+    def test_files_of_two_saves_are_not_mixed(self, tmp_path):
+        root = str(tmp_path)
+        engine = build(train_config())
+        engine.save_checkpoint(root, tag="a")
+        train(engine, all_data()[:1])
+        engine.save_checkpoint(root, tag="b")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.replace(
+                os.path.join(root, "b", optim_states_name(1)), os.path.join(root, "a", optim_states_name(1))
+            )
+        dist.barrier()
+        with pytest.raises(CheckpointError, match="different save"):
+            engine.load_checkpoint(root, tag="a")
+
+
+class WiderLM(BufferedLM):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 3 * WIDTH + 2)
+        self.down = nn.Linear(3 * WIDTH + 2, WIDTH)
+
+
+class ExtraLM(BufferedLM):
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(WIDTH, 2)
+
+
+class TestModelMismatch(DistributedTest):
+    world_size = 2
+
+    def test_shape_and_name_mismatches_name_the_parameter(self, tmp_path):
+        root = str(tmp_path)
+        build(train_config()).save_checkpoint(root)
+        wider = build(train_config(), model_cls=WiderLM)
+        with pytest.raises(CheckpointError, match=r"shape of 'up.weight' is \(37, 12\) in the checkpoint"):
+            wider.load_checkpoint(root)
+        extra = build(train_config(), model_cls=ExtraLM)
+        with pytest.raises(CheckpointError, match="missing from the checkpoint: 'extra.weight'"):
+            extra.load_checkpoint(root)
+        keep = gathered_now(extra)["extra.weight"]
+        extra.load_checkpoint(root, load_module_strict=False)
+        assert torch.equal(gathered_now(extra)["extra.weight"], keep)  # not in the file: untouched
+
+    def test_frozen_parameters_and_inference_saves(self, tmp_path):
+        root = str(tmp_path)
+        engine = build(train_config(), model_cls=FrozenEmbedLM)
+        train(engine, all_data()[:1])
+        engine.save_checkpoint(root, tag="all")
+        engine.save_checkpoint(root, tag="trainable", exclude_frozen_parameters=True)
+        saved = gathered_now(engine)
+        fresh = build(train_config(), seed=5, model_cls=FrozenEmbedLM)
+        fresh.load_checkpoint(root, tag="all")
+        assert_equal_params(gathered_now(fresh), saved)  # frozen weights come from their own shards
+        other = build(train_config(), seed=5, model_cls=FrozenEmbedLM)
+        with pytest.raises(CheckpointError, match="missing from the checkpoint: 'embed.weight'"):
+            other.load_checkpoint(root, tag="trainable")
+        other.load_checkpoint(root, tag="trainable", load_module_strict=False)
+        got = gathered_now(other)
+        assert not torch.equal(got["embed.weight"], saved["embed.weight"])  # kept its own init
+        assert torch.equal(got["head.weight"], saved["head.weight"])
+        trainable = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+            root, tag="all", exclude_frozen_parameters=True
+        )
+        assert "embed.weight" not in trainable and "head.weight" in trainable
+        # A checkpoint from an engine without an optimizer has only weights.
+        inference = build({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}, seed=9)
+        inference.save_checkpoint(root, tag="weights")
+        trainer = build(train_config())
+        with pytest.raises(CheckpointError, match="load_optimizer_states=False"):
+            trainer.load_checkpoint(root, tag="weights")
+        trainer.load_checkpoint(root, tag="weights", load_optimizer_states=False)
+        assert_equal_params(gathered_now(trainer), gathered_now(inference))
+        train(trainer, all_data()[:1])  # the masters were loaded too: training goes on from them
+
+
+class FrozenEmbedLM(BufferedLM):
+    def __init__(self):
+        super().__init__()
+        self.embed.weight.requires_grad_(False)
+
+
+# ============================================================================ 16-bit export
+
+
+def bf16_config(gather_on_save=True):
+    cfg = train_config(bf16={"enabled": True})
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather_on_save
+    return cfg
+
+
+class TiedLM(BufferedLM):
+    def __init__(self):
+        super().__init__()
+        self.head.weight = self.embed.weight
+
+
+class TestSave16bit(DistributedTest):
+    world_size = [1, 2]
+
+    def test_save_16bit_model_equals_gathered_params(self, tmp_path):
+        engine = build(bf16_config(), model_cls=TiedLM)
+        train(engine, all_data()[:1])
+        assert engine.zero_gather_16bit_weights_on_model_save()
+        assert engine.save_16bit_model(str(tmp_path), "model16.bin") is True
+        expected = {}
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            for name, p in engine.module.named_parameters(remove_duplicate=False):
+                expected[name] = p.data.detach().clone()
+        consolidated = engine._zero3_consolidated_16bit_state_dict()
+        if dist.get_rank() != 0:
+            assert consolidated is None
+            return
+        saved = torch.load(tmp_path / "model16.bin")
+        assert list(saved) == list(engine.module.state_dict())  # same keys, same order
+        for name, value in expected.items():
+            assert saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], value), name
+        assert saved["head.weight"].data_ptr() == saved["embed.weight"].data_ptr()  # tied: stored once
+        assert torch.equal(saved["scale"], engine.module.scale)
+
+    def test_flag_off_saves_nothing(self, tmp_path):
+        engine = build(bf16_config(gather_on_save=False))
+        assert engine.zero_gather_16bit_weights_on_model_save() is False
+        assert engine.save_16bit_model(str(tmp_path)) is False
+        assert not os.path.exists(tmp_path / "pytorch_model.bin")
+
+
+# ============================================================================ clone_tensors_for_torch_save
+
+
+def test_clone_tensors_for_torch_save_makes_compact_copies():
+    big = torch.arange(1000.0)
+    Pair = namedtuple("Pair", "x y")
+    counts = defaultdict(int, {"n": 1})
+    item = OrderedDict(a=big[10:20], b=[big[:2], (big[5:7], 3)], c=Pair(big[1:2], "s"), d=counts)
+    out = clone_tensors_for_torch_save(item)
+    assert type(out) is OrderedDict and type(out["c"]) is Pair and isinstance(out["b"][1], tuple)
+    assert out["d"].default_factory is int and out["d"]["n"] == 1 and out["c"].y == "s"
+    assert torch.equal(out["a"], big[10:20]) and out["a"].untyped_storage().nbytes() == 10 * 4
+    assert out["b"][0].data_ptr() != big.data_ptr() and out["b"][1][1] == 3
+    out["a"].zero_()
+    assert big[10] == 10  # a copy, not a view
