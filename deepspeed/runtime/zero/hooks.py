@@ -7,12 +7,11 @@ for the submodule running with it compose: whoever releases last frees the tenso
 
 [Note: how backward finds its parameters]
 Forward frees a submodule's parameters as soon as it returns, but autograd needs them again
-for the submodule's backward. Two identity autograd functions bracket that backward:
-`_RegatherBeforeBackward` wraps the submodule's outputs, so its backward (run when the
-gradients of those outputs are ready, i.e. just before the submodule's own backward)
-gathers the parameters; `_ReleaseAfterBackward` wraps the submodule's inputs, so its
-backward (run once the gradients of those inputs are computed, i.e. after the submodule's
-backward) releases them. A submodule whose inputs need no gradient (the first embedding)
+for the submodule's backward. An identity autograd function, `_BackwardCallback`, brackets
+that backward: wrapped around the submodule's outputs, its backward (run when the gradients
+of those outputs are ready, i.e. just before the submodule's own backward) gathers the
+parameters; wrapped around the submodule's inputs, its backward (run once the gradients of
+those inputs are computed, i.e. after the submodule's backward) releases them. A submodule whose inputs need no gradient (the first embedding)
 never reaches the second function: `finish_backward()` releases what is left.
 
 [Note: prefetch from a recorded trace]
@@ -70,41 +69,30 @@ def _replace_tensors(value: Any, replacements: list) -> Any:
     return value
 
 
-def _bracket(value: Any, function, coordinator, module) -> Any:
-    """Route every grad-requiring tensor in `value` through one call of `function` (see the note)."""
+def _on_backward(value: Any, callback) -> Any:
+    """Route every grad-requiring tensor in `value` through one `_BackwardCallback` (see the note)."""
     tensors: list = []
     _grad_tensors(value, tensors)
     if not tensors:
         return value
-    outputs = function.apply(coordinator, module, *tensors)
+    outputs = _BackwardCallback.apply(callback, *tensors)
     outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
     return _replace_tensors(value, outputs)
 
 
-class _RegatherBeforeBackward(torch.autograd.Function):
+class _BackwardCallback(torch.autograd.Function):
+    """Identity in forward; in backward, calls `callback()` once the tensors' gradients are ready."""
+
     @staticmethod
-    def forward(ctx, coordinator, module, *tensors):
-        ctx.coordinator, ctx.module = coordinator, module
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
         ctx.set_materialize_grads(False)
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.coordinator.enter_backward(ctx.module)
-        return (None, None, *grads)
-
-
-class _ReleaseAfterBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, coordinator, module, *tensors):
-        ctx.coordinator, ctx.module = coordinator, module
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.coordinator.exit_backward(ctx.module)
-        return (None, None, *grads)
+        ctx.callback()
+        return (None, *grads)
 
 
 class _Prefetcher:
@@ -240,7 +228,8 @@ class ParameterCoordinator:
         states = self._fetch(module)
         if not states or not torch.is_grad_enabled():
             return None
-        args, kwargs = _bracket((args, kwargs), _ReleaseAfterBackward, self, module)
+        # Runs once the gradients of the inputs exist, i.e. after the submodule's backward.
+        args, kwargs = _on_backward((args, kwargs), lambda: self.exit_backward(module))
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -252,7 +241,8 @@ class ParameterCoordinator:
         self._release(module, states)
         if not torch.is_grad_enabled():
             return None
-        return _bracket(output, _RegatherBeforeBackward, self, module)
+        # Runs when the gradients of the outputs are ready, i.e. before the submodule's backward.
+        return _on_backward(output, lambda: self.enter_backward(module))
 
     # ------------------------------------------------------------------ backward
 
