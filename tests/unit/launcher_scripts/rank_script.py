@@ -38,7 +38,9 @@ def main() -> None:
         keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         report = {key: os.environ.get(key) for key in keys}
         report.update(local_rank_arg=args.local_rank, argv=sys.argv[1:], rest=rest)
-        print(json.dumps(report), flush=True)
+        # One write per line: two ranks share the pipe, and print() writes text and newline apart.
+        sys.stdout.write(json.dumps(report) + "\n")
+        sys.stdout.flush()
     elif args.mode == "fail":
         pid_file = os.path.join(args.dir, "rank0.pid")
         if rank == 0:
