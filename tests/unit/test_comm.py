@@ -42,6 +42,12 @@ class TestCollectives(DistributedTest):
         scale = sum(r + 1 for r in range(size))
         assert torch.equal(out, torch.arange(2 * size, dtype=torch.float32)[2 * rank : 2 * rank + 2] * scale)
 
+        out_async = torch.empty(2)
+        send = contrib.clone()
+        handle = dist.reduce_scatter_tensor(out_async, send, async_op=True, input_reusable=True)
+        handle.wait()
+        assert torch.equal(out_async, out)
+
         gathered = [torch.empty(1) for _ in range(size)]
         dist.all_gather(gathered, torch.tensor([float(rank)]))
         assert [g.item() for g in gathered] == list(range(size))

@@ -181,6 +181,33 @@ class TestEngineFeatures(DistributedTest):
             engine.step()
         assert not optimizer.overflow and optimizer.loss_scale == scale  # grew back after the window
 
+    def test_one_reduce_scatter_per_bucket(self, monkeypatch):
+        calls = []
+        original = deepspeed.comm.reduce_scatter_tensor
+
+        def counting(*args, **kwargs):
+            calls.append(args[1].numel())
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(deepspeed.comm, "reduce_scatter_tensor", counting)
+        ids, labels = batches(1)[0]
+        for bucket, expect_one in ((10**9, True), (300, False)):
+            cfg = config(
+                zero_optimization={
+                    "stage": 3,
+                    "reduce_bucket_size": bucket,
+                    "stage3_param_persistence_threshold": 0,
+                }
+            )
+            torch.manual_seed(0)
+            engine, _, _, _ = deepspeed.initialize(model=TinyLM(), config=cfg)
+            calls.clear()
+            engine.backward(engine(my_slice(ids), my_slice(labels)))
+            n_params = len(list(engine.module.parameters()))
+            total = sum(p.partition_numel() * dist.get_world_size() for p in engine.module.parameters())
+            assert sum(calls) == total  # every gradient element sent once
+            assert (len(calls) == 1) if expect_one else (1 < len(calls) < n_params)
+
     def test_inference_without_optimizer(self):
         torch.manual_seed(42)
         reference = TinyLM()

@@ -64,7 +64,7 @@ class GradientReducer:
             offset += state.partition_size
         del items, grad, flat  # the full gradients are packed: free them before the collective
         received = torch.empty(total, dtype=dtype, device=send.device)
-        dist.reduce_scatter_tensor(received, send.view(-1), group=states[0].group)
+        dist.reduce_scatter_tensor(received, send.view(-1), group=states[0].group, input_reusable=True)
         self.reduce_calls += 1
         offset = 0
         for state in states:
