@@ -64,7 +64,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._boundary_override: Optional[bool] = None
         self._prepare_module()
         zero = self._config.zero_config
-        self.coordinator = ParameterCoordinator(model, zero.prefetch_bucket_size, zero.max_live_parameters)
+        self.coordinator = ParameterCoordinator(
+            model, zero.prefetch_bucket_size, zero.max_live_parameters, zero.max_reuse_distance
+        )
         self.persistent = persistent_states(model, zero.param_persistence_threshold)
         mark_persistent(self.persistent)
         self.optimizer = self._build_optimizer(optimizer, model_parameters)

@@ -52,3 +52,52 @@ def test_bench_init_memory_quick(tmp_path):
     ratios = report["init"]["peak_rss_ratio_to_ideal"]
     assert sorted(ratios) == ["1", "2"], ratios
     assert all(r > 0 for r in ratios.values())
+
+
+REQUIRED_KEYS = (
+    "train_step.ours_s",
+    "train_step.upstream_deepspeed_s",
+    "train_step.fsdp2_s",
+    "train_step.ratio_vs_upstream",
+    "train_step.ratio_vs_fsdp2",
+    "train_step.cases",
+    "gather.ratio_vs_raw_allgather",
+    "gather.start_stop_vs_with",
+    "gather.upstream_with_s",
+    "gather.cases",
+    "init.peak_rss_ratio_to_ideal",
+    "init.cases",
+    "scaling.cases",
+    "machine.cpu_model",
+    "machine.cores",
+    "machine.loadavg_before",
+    "versions.torch",
+    "versions.ours",
+    "versions.upstream",
+    "date",
+)
+
+
+def _lookup(report: dict, dotted: str):
+    node = report
+    for key in dotted.split("."):
+        assert isinstance(node, dict) and key in node, f"latest.json has no {dotted!r}"
+        node = node[key]
+    return node
+
+
+@pytest.mark.timeout(150)
+def test_run_all_quick(tmp_path):
+    out = _run("run_all.py", "--skip-upstream", "--out-dir", str(tmp_path))
+    assert "| metric | measured | target | met |" in out
+    report = json.loads((tmp_path / "latest.json").read_text())
+    values = {key: _lookup(report, key) for key in REQUIRED_KEYS}
+    assert values["train_step.ours_s"] > 0 and values["train_step.fsdp2_s"] > 0
+    assert values["train_step.upstream_deepspeed_s"] is None  # skipped
+    assert "decoder_fp32" in values["train_step.cases"]
+    assert sorted(values["gather.cases"]) == ["P=1", "P=10", "P=100"]
+    assert sorted(values["gather.upstream_with_s"]) == ["P=1", "P=10", "P=100"]
+    assert values["gather.ratio_vs_raw_allgather"] > 0 and values["init.peak_rss_ratio_to_ideal"] > 0
+    assert sorted(values["init.cases"]) and sorted(values["scaling.cases"]) == ["1", "2"]
+    assert report["scaling"]["cases"]["2"]["ours_state_bytes_per_rank"] > 0
+    assert (tmp_path / "latest.md").read_text().startswith("Benchmarks ")

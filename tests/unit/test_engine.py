@@ -380,6 +380,40 @@ class TestPrefetch(DistributedTest):
         assert waits and sum(waits) >= len(waits) // 2  # most gathers were issued ahead, async
 
 
+class TestReuseDistance(DistributedTest):
+    world_size = [2]
+
+    def test_reused_parameters_stay_gathered(self, monkeypatch):
+        data = batches(3, seed=6)
+        gathered = []
+        original = deepspeed.comm.all_gather_into_tensor
+
+        def counting(out, inp, group=None, async_op=False):
+            gathered.append(out.numel())
+            return original(out, inp, group=group, async_op=async_op)
+
+        results = {}
+        for reuse in (0, 10**9):
+            # A small prefetch window: a large one already keeps what it will need again soon.
+            zero = {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 0,
+                "stage3_prefetch_bucket_size": 50,
+                "stage3_max_reuse_distance": reuse,
+            }
+            engine, losses = engine_run(data[:2], zero_optimization=zero)
+            monkeypatch.setattr(deepspeed.comm, "all_gather_into_tensor", counting)
+            gathered.clear()
+            ids, labels = data[2]
+            engine.backward(engine(my_slice(ids), my_slice(labels)))
+            engine.step()
+            monkeypatch.undo()
+            results[reuse] = (losses, sum(gathered))
+            assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+        assert results[0][0] == results[10**9][0]  # same values
+        assert results[10**9][1] < results[0][1]  # backward re-gathers nothing that forward kept
+
+
 class TestInitializeMisuse:
     def test_missing_config_and_model(self):
         with pytest.raises(ValueError, match="no config"):

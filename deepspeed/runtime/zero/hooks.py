@@ -18,7 +18,9 @@ never reaches the second function: `finish_backward()` releases what is left.
 The first forward/backward records the order in which submodules fetch. Later passes use
 it: when submodule i fetches, the next submodules' parameters are gathered asynchronously,
 up to `prefetch_bucket_size` elements ahead and `max_live_parameters` in flight or held by
-the prefetcher. The prefetcher is a holder like any other; its holds move to the
+the prefetcher; and when a submodule releases parameters that the trace fetches again
+within `max_reuse_distance` elements (its own backward, a reused layer), the prefetcher
+keeps them gathered instead. The prefetcher is a holder like any other; its holds move to the
 submodule when that submodule fetches, and anything left is released at the end of each
 pass, so a pass that strays from the trace costs only wasted prefetches, never a wrong value.
 """
@@ -98,10 +100,13 @@ class _BackwardCallback(torch.autograd.Function):
 class _Prefetcher:
     """Holds parameters gathered ahead of use, following the recorded fetch trace."""
 
-    def __init__(self, bucket_elems: int, max_live_elems: int) -> None:
+    def __init__(self, bucket_elems: int, max_live_elems: int, max_reuse_elems: int = 0) -> None:
         self.bucket_elems = bucket_elems
         self.max_live_elems = max_live_elems
+        self.max_reuse_elems = max_reuse_elems
         self.trace: list = []  # per fetch, in order: the list of states fetched
+        self.elems_before: list = []  # elements fetched before each trace entry (cumulative)
+        self.uses: dict = {}  # ds_id -> trace positions that fetch it, ascending
         self.recording = True
         self.position = 0
         self.held: dict = {}  # ds_id -> state the prefetcher holds
@@ -118,6 +123,36 @@ class _Prefetcher:
             if [s.ds_id for s in self.trace[offset]] == ids:
                 self.position = offset + 1
                 return
+
+    def finish_recording(self) -> None:
+        self.recording = False
+        total = 0
+        for index, entry in enumerate(self.trace):
+            self.elems_before.append(total)
+            total += sum(s.numel for s in entry)
+            for s in entry:
+                self.uses.setdefault(s.ds_id, []).append(index)
+
+    def keep_for_reuse(self, states: list) -> list:
+        """Take holds on those of `states` fetched again within `max_reuse_elems`; return the rest.
+
+        A submodule releasing parameters that the trace says are needed again soon (its own
+        backward, a reused layer) keeps them gathered instead of re-gathering them.
+        """
+        if self.recording or self.max_reuse_elems <= 0:
+            return states
+        here = self.elems_before[self.position] if self.position < len(self.trace) else None
+        free = []
+        for s in states:
+            later = next((i for i in self.uses.get(s.ds_id, ()) if i >= self.position), None)
+            fits = self.held_elems + s.numel <= self.max_live_elems and s.ds_id not in self.held
+            if here is None or later is None or not fits or self.elems_before[later] - here > self.max_reuse_elems:
+                free.append(s)
+                continue
+            s.hold()  # already gathered: holding it is all it takes to keep it
+            self.held[s.ds_id] = s
+            self.held_elems += s.numel
+        return free
 
     def hand_over(self, states: list) -> None:
         """The submodule now holds these: drop the prefetcher's holds on them."""
@@ -159,9 +194,11 @@ class _Prefetcher:
 class ParameterCoordinator:
     """Installs the stage-3 hooks on every submodule of `module` and tracks the holds they take."""
 
-    def __init__(self, module: nn.Module, prefetch_bucket_size: int, max_live_parameters: int) -> None:
+    def __init__(
+        self, module: nn.Module, prefetch_bucket_size: int, max_live_parameters: int, max_reuse_distance: int = 0
+    ) -> None:
         self.module = module
-        self.prefetcher = _Prefetcher(int(prefetch_bucket_size), int(max_live_parameters))
+        self.prefetcher = _Prefetcher(int(prefetch_bucket_size), int(max_live_parameters), int(max_reuse_distance))
         self.backward_holds: dict = {}  # id(module) -> [(module, states)] held for its backward
         self.forward_stack: list = []  # submodules whose forward is running, innermost last
         self.stray_holds: list = []  # states gathered on access with no submodule running
@@ -189,10 +226,10 @@ class ParameterCoordinator:
             s.active_sub_modules.add(id(module))
         return states
 
-    @staticmethod
-    def _release(module: nn.Module, states: list) -> None:
+    def _release(self, module: nn.Module, states: list) -> None:
         for s in states:
             s.active_sub_modules.discard(id(module))
+        self.prefetcher.keep_for_reuse(states)  # holds what is needed again soon
         gather.release_states(states)
 
     # ------------------------------------------------------------------ forward
@@ -269,7 +306,7 @@ class ParameterCoordinator:
 
     def end_pass(self) -> None:
         if self.prefetcher.recording and self.prefetcher.trace:
-            self.prefetcher.recording = False
+            self.prefetcher.finish_recording()
         self.prefetcher.end_pass()
 
     def live_states(self) -> list:
