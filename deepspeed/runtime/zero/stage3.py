@@ -159,38 +159,35 @@ class ZeroStage3Optimizer:
         for master in self.masters.values():
             master.grad.zero_()
 
-    def _global_norm(self) -> float:
-        local = torch.zeros(1, dtype=torch.float64)
-        for master in self.masters.values():
-            local += master.grad.double().pow(2).sum().cpu()
-        dist.all_reduce(local, group=self.group)
-        return math.sqrt(local.item())
+    def _global_norm_of_scaled_grads(self) -> float:
+        """The L2 norm over every rank's gradient shards (inf or nan when any overflowed).
 
-    def _has_overflow(self) -> bool:
-        local = torch.zeros(1)
-        for master in self.masters.values():
-            if not torch.isfinite(master.grad).all():
-                local.fill_(1.0)
-                break
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(local.item())
+        One fused per-tensor norm and one all-reduce; padding elements are zeros.
+        """
+        grads = [master.grad for master in self.masters.values()]
+        local = torch.zeros(1, dtype=torch.float64)
+        if grads:
+            norms = torch._foreach_norm(grads)
+            local += torch.stack(norms).double().pow(2).sum().cpu()
+        dist.all_reduce(local, group=self.group)
+        return math.sqrt(local.item()) if math.isfinite(local.item()) else float("inf")
 
     def step(self) -> bool:
         """Unscale, check overflow, clip, step, and write masters back. False if skipped."""
         scale = self.loss_scaler.loss_scale
-        self.overflow = self.config.fp16_enabled and self._has_overflow()
+        scaled_norm = self._global_norm_of_scaled_grads()
+        self.overflow = self.config.fp16_enabled and not math.isfinite(scaled_norm)
         if self.overflow:
             self.loss_scaler.update_scale(True)
             self._global_grad_norm = None
             return False
-        norm = self._global_norm() / scale
+        norm = scaled_norm / scale
         self._global_grad_norm = norm
         factor = 1.0 / scale
         if self.clip > 0 and norm > self.clip:
             factor *= self.clip / (norm + 1e-6)
         if factor != 1.0:
-            for master in self.masters.values():
-                master.grad.mul_(factor)
+            torch._foreach_mul_([master.grad for master in self.masters.values()], factor)
         self.optimizer.step()
         self._write_back_masters()
         self.loss_scaler.update_scale(False)
