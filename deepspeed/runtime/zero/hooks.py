@@ -146,7 +146,12 @@ class _Prefetcher:
         for s in states:
             later = next((i for i in self.uses.get(s.ds_id, ()) if i >= self.position), None)
             fits = self.held_elems + s.numel <= self.max_live_elems and s.ds_id not in self.held
-            if here is None or later is None or not fits or self.elems_before[later] - here > self.max_reuse_elems:
+            if (
+                here is None
+                or later is None
+                or not fits
+                or self.elems_before[later] - here > self.max_reuse_elems
+            ):
                 free.append(s)
                 continue
             s.hold()  # already gathered: holding it is all it takes to keep it
@@ -195,10 +200,16 @@ class ParameterCoordinator:
     """Installs the stage-3 hooks on every submodule of `module` and tracks the holds they take."""
 
     def __init__(
-        self, module: nn.Module, prefetch_bucket_size: int, max_live_parameters: int, max_reuse_distance: int = 0
+        self,
+        module: nn.Module,
+        prefetch_bucket_size: int,
+        max_live_parameters: int,
+        max_reuse_distance: int = 0,
     ) -> None:
         self.module = module
-        self.prefetcher = _Prefetcher(int(prefetch_bucket_size), int(max_live_parameters), int(max_reuse_distance))
+        self.prefetcher = _Prefetcher(
+            int(prefetch_bucket_size), int(max_live_parameters), int(max_reuse_distance)
+        )
         self.backward_holds: dict = {}  # id(module) -> [(module, states)] held for its backward
         self.forward_stack: list = []  # submodules whose forward is running, innermost last
         self.stray_holds: list = []  # states gathered on access with no submodule running
@@ -308,9 +319,6 @@ class ParameterCoordinator:
         if self.prefetcher.recording and self.prefetcher.trace:
             self.prefetcher.finish_recording()
         self.prefetcher.end_pass()
-
-    def live_states(self) -> list:
-        return [s for entries in self.backward_holds.values() for _, states in entries for s in states]
 
 
 def persistent_states(module: nn.Module, threshold: int) -> list:

@@ -211,9 +211,6 @@ class ZeroParamState:
         self._require(ZeroParamStatus.AVAILABLE, "write_back")
         self._copy_own_slice(self.param.data, self.shard)
 
-    def padded_shard_for_gather(self) -> torch.Tensor:
-        return self.shard
-
     # ------------------------------------------------------------------ status transitions
 
     def _require(self, expected: ZeroParamStatus, action: str) -> None:
