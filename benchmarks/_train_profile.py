@@ -28,6 +28,7 @@ _TARGETS = (
     ("deepspeed.runtime.zero.hooks", "ParameterCoordinator", "exit_backward", "hook: exit_backward"),
     ("deepspeed.runtime.zero.hooks", "ParameterCoordinator", "finish_backward", "hook: finish_backward"),
     ("deepspeed.runtime.zero.hooks", "ParameterCoordinator", "_release", "hook: _release"),
+    ("deepspeed.runtime.zero.hooks", "ParameterCoordinator", "_on_access", "hook: _on_access (stray use)"),
     ("deepspeed.runtime.zero.hooks", "", "_module_states", "hook: _module_states"),
     ("deepspeed.runtime.zero.hooks", "", "_bracket", "hook: _bracket (autograd fns)"),
     ("deepspeed.runtime.zero.hooks", "_Prefetcher", "prefetch_next", "prefetch: prefetch_next"),
@@ -63,6 +64,7 @@ class Timers:
         self.excl: dict = defaultdict(float)
         self.calls: dict = defaultdict(int)
         self._stack: list = []  # per active wrapped call: seconds spent in wrapped children
+        self.missing: list = []  # targets this version of the engine does not have
 
     def reset(self) -> None:
         self.incl.clear()
@@ -109,7 +111,10 @@ def install() -> Timers:
     timers = Timers()
     for module_name, owner_name, attr, label in _TARGETS:
         module = importlib.import_module(module_name)
-        owner = getattr(module, owner_name) if owner_name else module
+        owner = getattr(module, owner_name, None) if owner_name else module
+        if owner is None or not hasattr(owner, attr):
+            timers.missing.append(f"{module_name}:{owner_name}.{attr}")  # the engine changed
+            continue
         raw = inspect.getattr_static(owner, attr)
         if isinstance(raw, staticmethod):
             setattr(owner, attr, staticmethod(timers.wrap(raw.__func__, label)))

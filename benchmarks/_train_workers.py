@@ -10,9 +10,11 @@ this file imports nothing from the project. Rank and rendezvous come from the en
 Protocol: after building the model and `warmup` untimed steps the worker prints one line
 `@@train@@ {"event": "ready", ...}` and then reads JSON commands from stdin, one a line:
 `{"cmd": "run", "steps": N}` times N steps and prints `@@train@@ {"event": "times", ...}`
-(rank 0 only; each step's time is the max over ranks); `{"cmd": "profile", "steps": N}`
+(rank 0 only; each step's wall time is the max over ranks, its CPU time the sum over ranks
+of the process CPU time, all threads, which other jobs on the machine barely change); `{"cmd": "profile", "steps": N}`
 does the same under cProfile (and `_train_profile`'s timers when started with
-`--instrument`); `{"cmd": "quit"}` ends it. Other stdout lines (library logs) are ignored by
+`--instrument`); `{"cmd": "memory"}` reports every rank's live tensor bytes between steps
+(`live_tensor_bytes`); `{"cmd": "quit"}` ends it. Other stdout lines (library logs) are ignored by
 the controller. Idle groups block on stdin, so they take no CPU from the group being timed.
 """
 
@@ -130,7 +132,7 @@ def ds_config(spec: dict) -> dict:
         "stage3_prefetch_bucket_size": spec["prefetch_bucket_size"],
         "stage3_param_persistence_threshold": spec["persistence_threshold"],
         "stage3_max_live_parameters": int(1e9),
-        "stage3_max_reuse_distance": int(1e9),
+        "stage3_max_reuse_distance": int(spec.get("max_reuse_distance", 1e9)),
         "overlap_comm": True,
         "contiguous_gradients": True,
     }
@@ -151,8 +153,12 @@ def setup_deepspeed(model: nn.Module, spec: dict):
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config(spec))
+    # DeepSpeed engines do not cast inputs: a bf16 model takes bf16 activations.
+    input_dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
 
     def step(x, y):
+        if x.is_floating_point():
+            x = x.to(input_dtype)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -222,22 +228,28 @@ class Runner:
         self.distributed = distributed
         self.done = 0
         self.last_loss = math.nan
+        self.last_cpu: list = []
 
     def run(self, steps: int) -> list:
-        times = []
+        """Wall seconds per step (max over ranks); CPU seconds (summed over ranks) in `last_cpu`."""
+        times, cpu = [], []
         for _ in range(steps):
             x, y = self.batches[self.done % len(self.batches)]
             if self.distributed:
                 tdist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loss = self.step(x, y)
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)  # every thread of this process
             self.done += 1
             self.last_loss = float(loss.detach().float())
-        if self.distributed:  # a step takes as long as its slowest rank
+        if self.distributed:  # a step takes as long as its slowest rank, and costs all ranks' CPU
             t = torch.tensor(times, dtype=torch.float64)
             tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-            times = t.tolist()
+            c = torch.tensor(cpu, dtype=torch.float64)
+            tdist.all_reduce(c, op=tdist.ReduceOp.SUM)
+            times, cpu = t.tolist(), c.tolist()
+        self.last_cpu = cpu
         return times
 
 
@@ -246,8 +258,16 @@ def emit(rank: int, payload: dict) -> None:
         print(MARK, json.dumps(payload), flush=True)
 
 
-def profile_steps(runner: Runner, steps: int, rank: int, instrument) -> dict:
-    """Time `steps` steps; on rank 0 under cProfile, and with the instrument's timers if given."""
+def _top_functions(stats: dict, column: int, count: int = 60) -> list:
+    rows = sorted(stats.items(), key=lambda kv: kv[1][column], reverse=True)[:count]
+    return [
+        {"func": f"{os.path.basename(f)}:{line}:{name}", "ncalls": nc, "tottime": tt, "cumtime": ct}
+        for (f, line, name), (_, nc, tt, ct, _) in rows
+    ]
+
+
+def profile_steps(runner: Runner, steps: int, rank: int, instrument, use_cprofile: bool) -> dict:
+    """Time `steps` steps; on rank 0 with the instrument's timers (if any), optionally cProfile."""
     import cProfile
     import pstats
 
@@ -255,20 +275,55 @@ def profile_steps(runner: Runner, steps: int, rank: int, instrument) -> dict:
         return {"times": runner.run(steps)}
     if instrument is not None:
         instrument.reset()
-    prof = cProfile.Profile()
-    prof.enable()
+    prof = cProfile.Profile() if use_cprofile else None
+    if prof is not None:
+        prof.enable()
     times = runner.run(steps)
-    prof.disable()
-    stats = pstats.Stats(prof)
-    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][3], reverse=True)  # by cumulative
-    top = [
-        {"func": f"{os.path.basename(f)}:{line}:{name}", "ncalls": nc, "tottime": tt, "cumtime": ct}
-        for (f, line, name), (_, nc, tt, ct, _) in rows[:60]
-    ]
-    out = {"times": times, "cprofile_top": top}
+    out: dict = {"times": times}
+    if prof is not None:
+        prof.disable()
+        stats = pstats.Stats(prof).stats
+        out["cprofile_top"] = _top_functions(stats, column=3)  # by cumulative time
+        out["cprofile_top_self"] = _top_functions(stats, column=2)  # by time in the function itself
     if instrument is not None:
         out["timers"] = instrument.report(steps)
+        out["timers_missing"] = instrument.missing
     return out
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process (found through `gc`).
+
+    Called between steps, this is what a rank keeps for training: its parameters (or their
+    shards), gradients it keeps, optimizer state, flat buffers, plus the few small batches.
+    Storages are counted once however many views share them; wrapper tensors without a
+    storage of their own (DTensor) are skipped, their local shard is counted.
+    """
+    import gc
+    import warnings
+
+    seen: dict = {}
+    with warnings.catch_warnings():  # isinstance() on some module proxies warns of deprecations
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for tensor in tensors:
+        try:
+            storage = tensor.untyped_storage()
+            if storage.device.type != "meta" and storage.nbytes():
+                seen[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # a wrapper or fake tensor without storage of its own
+    return sum(seen.values())
+
+
+def memory_report(distributed: bool) -> dict:
+    """Every rank's `live_tensor_bytes()` (a collective when distributed)."""
+    local = torch.tensor([float(live_tensor_bytes())], dtype=torch.float64)
+    if not distributed:
+        return {"state_bytes": [int(local.item())]}
+    out = [torch.zeros_like(local) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(out, local)
+    return {"state_bytes": [int(t.item()) for t in out]}
 
 
 def serve(runner: Runner, rank: int, instrument) -> None:
@@ -280,9 +335,12 @@ def serve(runner: Runner, rank: int, instrument) -> None:
         if cmd["cmd"] == "quit":
             return
         if cmd["cmd"] == "run":
-            payload = {"times": runner.run(int(cmd["steps"]))}
+            payload = {"times": runner.run(int(cmd["steps"])), "cpu": runner.last_cpu}
         elif cmd["cmd"] == "profile":
-            payload = profile_steps(runner, int(cmd["steps"]), rank, instrument)
+            use_cprofile = bool(cmd.get("cprofile", False))
+            payload = profile_steps(runner, int(cmd["steps"]), rank, instrument, use_cprofile)
+        elif cmd["cmd"] == "memory":
+            payload = memory_report(runner.distributed)
         else:
             raise ValueError(f"unknown command {cmd!r}")
         emit(rank, {"event": "times", "loss": runner.last_loss, **payload})

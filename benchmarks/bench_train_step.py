@@ -47,8 +47,10 @@ IMPLS = ("ours", "upstream", "fsdp2", "ddp", "single")
 
 MODELS = {
     "decoder": dict(model="decoder", vocab=1024, seq=128, width=256, layers=4, heads=4, batch=4),
-    "mlp": dict(model="mlp", width=1024, layers=6, batch=64),
+    "mlp": dict(model="mlp", width=1024, layers=6, batch=128),
 }
+# --quick: a tiny decoder, so a smoke run is dominated by process start-up.
+QUICK_DECODER = dict(MODELS["decoder"], seq=64, width=128, layers=2, batch=2)
 # The same ZeRO-3 sizes for ours and upstream (elements).
 ZERO_SIZES = dict(reduce_bucket_size=1_000_000, prefetch_bucket_size=1_000_000, persistence_threshold=10_000)
 
@@ -59,7 +61,10 @@ class WorkerGroup:
     def __init__(self, impl: str, python: str, world: int, spec: dict, log_dir: Path, instrument: bool):
         self.impl = impl
         self.world = world
-        self.logs = [log_dir / f"{impl}{'-prof' if instrument else ''}-rank{r}.log" for r in range(world)]
+        name = f"{impl}{'-prof' if instrument else ''}"
+        # One log per rank (stderr; rank > 0 also stdout), then rank 0's unmarked stdout lines.
+        self.logs = [log_dir / f"{name}-rank{r}.log" for r in range(world)]
+        self.logs.append(log_dir / f"{name}-rank0-stdout.log")
         self.events: queue.Queue = queue.Queue()
         port = free_port()
         cmd = [python, str(WORKER), "--impl", impl, "--spec", json.dumps(spec)]
@@ -83,14 +88,14 @@ class WorkerGroup:
             TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR),
             CUDA_VISIBLE_DEVICES="",
         )
-        log = open(self.logs[rank], "w")  # noqa: SIM115 - closed with the process in close()
-        stdout = subprocess.PIPE if rank == 0 else log
-        return subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=stdout, stderr=log, env=env, text=True, cwd=str(HERE)
-        )
+        with open(self.logs[rank], "w") as log:  # the child keeps its own copy of the descriptor
+            stdout = subprocess.PIPE if rank == 0 else log
+            return subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=stdout, stderr=log, env=env, text=True, cwd=str(HERE)
+            )
 
     def _read_rank0(self) -> None:
-        with open(self.logs[0], "a") as log:
+        with open(self.logs[-1], "w") as log:
             for line in self.procs[0].stdout:
                 if line.startswith(MARK):
                     self.events.put(json.loads(line[len(MARK) :]))
@@ -152,10 +157,12 @@ def start_groups(impls: list, spec: dict, args, log_dir: Path) -> tuple:
     for impl in impls:
         world = 1 if impl == "single" else args.world_size
         print(f"  starting {impl} ({world} process{'es' if world > 1 else ''}) ...", flush=True)
+        began = time.monotonic()
         group = WorkerGroup(impl, interpreter(impl, args.upstream_python), world, spec, log_dir, False)
         try:
             infos[impl] = group.wait_event(args.start_timeout)
             groups[impl] = group
+            print(f"    ready in {time.monotonic() - began:.1f} s (build + {spec['warmup']} warm-up steps)")
         except RuntimeError as exc:
             errors[impl] = str(exc)
             print(f"  {impl} failed to start; reported as null:\n{exc}", file=sys.stderr, flush=True)
@@ -166,6 +173,7 @@ def start_groups(impls: list, spec: dict, args, log_dir: Path) -> tuple:
 def run_rounds(groups: dict, rounds: int, steps: int) -> tuple:
     """Rotate through the groups `rounds` times, `steps` timed steps each turn."""
     times = {impl: [] for impl in groups}
+    cpu = {impl: [] for impl in groups}
     losses, errors = {}, {}
     for r in range(rounds):
         order = list(groups)
@@ -180,10 +188,246 @@ def run_rounds(groups: dict, rounds: int, steps: int) -> tuple:
                 print(f"  {impl} failed; reported as null:\n{exc}", file=sys.stderr, flush=True)
                 continue
             times[impl].extend(event["times"])
+            cpu[impl].extend(event["cpu"])
             losses[impl] = event["loss"]
         print(f"  round {r + 1}/{rounds}: " + ", ".join(_median_text(times, i) for i in order), flush=True)
-    return times, losses, errors
+    return times, cpu, losses, errors
 
 
 def _median_text(times: dict, impl: str) -> str:
     return f"{impl} {statistics.median(times[impl]):.3f}s" if times.get(impl) else f"{impl} -"
+
+
+def _quantile(values: list, q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _cpu_ratio(cpu: dict, a: str, b: str):
+    if not cpu.get(a) or not cpu.get(b):
+        return None
+    return statistics.median(cpu[a]) / statistics.median(cpu[b])
+
+
+def summarize(times: dict, cpu: dict, losses: dict, infos: dict, errors: dict) -> dict:
+    """The JSON entry for one (model, dtype): medians, ratios, spread, final losses."""
+    med = {impl: (statistics.median(times[impl]) if times.get(impl) else None) for impl in IMPLS}
+
+    def ratio(a: str, b: str):
+        return med[a] / med[b] if med[a] and med[b] else None
+
+    return {
+        "ours_s": med["ours"],
+        "upstream_deepspeed_s": med["upstream"],
+        "fsdp2_s": med["fsdp2"],
+        "ddp_s": med["ddp"],
+        "single_s": med["single"],
+        "ratio_vs_upstream": ratio("ours", "upstream"),
+        "ratio_vs_fsdp2": ratio("ours", "fsdp2"),
+        "ratio_vs_ddp": ratio("ours", "ddp"),
+        "cpu_ratio_vs_upstream": _cpu_ratio(cpu, "ours", "upstream"),
+        "cpu_ratio_vs_fsdp2": _cpu_ratio(cpu, "ours", "fsdp2"),
+        "timed_steps": {impl: len(times.get(impl, [])) for impl in IMPLS},
+        "p25_p75_s": {i: [_quantile(t, 0.25), _quantile(t, 0.75)] for i, t in times.items() if t},
+        "min_s": {i: min(t) for i, t in times.items() if t},
+        # CPU seconds per step summed over ranks: robust to other jobs on a shared machine.
+        "cpu_s": {i: statistics.median(c) for i, c in cpu.items() if c},
+        "final_loss": losses,
+        "params": next((info["params"] for info in infos.values()), None),
+        "errors": errors,
+    }
+
+
+def print_table(title: str, entry: dict) -> None:
+    names = {
+        "ours": "ours (ZeRO-3)",
+        "upstream": "upstream DeepSpeed 0.19.8 ZeRO-3",
+        "fsdp2": "FSDP2 fully_shard",
+        "ddp": "DDP",
+        "single": "single process (no comm)",
+    }
+    keys = {"ours": "ours_s", "upstream": "upstream_deepspeed_s", "fsdp2": "fsdp2_s"}
+    keys.update(ddp="ddp_s", single="single_s")
+    print(f"\n{title}  ({entry['params']:,} parameters)")
+    head = f"{'median s':>9s} {'p25..p75 s':>15s} {'min s':>7s} {'cpu s':>7s} {'steps':>5s} {'loss':>8s}"
+    print(f"  {'implementation':34s} {head}")
+    for impl in IMPLS:
+        value = entry[keys[impl]]
+        spread = entry["p25_p75_s"].get(impl)
+        loss = entry["final_loss"].get(impl)
+        cells = [
+            f"{value:9.4f}" if value else f"{'null':>9s}",
+            f"{spread[0]:.3f}..{spread[1]:.3f}".rjust(15) if spread else " " * 15,
+            f"{entry['min_s'][impl]:7.3f}" if impl in entry["min_s"] else " " * 7,
+            f"{entry['cpu_s'][impl]:7.3f}" if impl in entry["cpu_s"] else " " * 7,
+            f"{entry['timed_steps'][impl]:5d}",
+            f"{loss:8.4f}" if loss is not None else " " * 8,
+        ]
+        print(f"  {names[impl]:34s} " + " ".join(cells))
+    for key, label in (
+        ("ratio_vs_upstream", "upstream"),
+        ("ratio_vs_fsdp2", "FSDP2"),
+        ("ratio_vs_ddp", "DDP"),
+    ):
+        value = entry[key]
+        text = f"{value:.2f}x" if value else "n/a"
+        cpu_value = entry.get("cpu_" + key)
+        cpu_text = f", CPU time {cpu_value:.2f}x" if cpu_value else ""
+        print(f"  ours / {label}: {text}{cpu_text}  (below 1: ours is faster)")
+
+
+def model_spec(model: str, dtype: str, args) -> dict:
+    sizes = QUICK_DECODER if args.quick and model == "decoder" else MODELS[model]
+    zero = dict(ZERO_SIZES, max_reuse_distance=args.max_reuse_distance)
+    return dict(sizes, **zero, dtype=dtype, warmup=args.warmup, threads=1)
+
+
+def measure(model: str, dtype: str, args, impls: list, log_dir: Path) -> dict:
+    spec = model_spec(model, dtype, args)
+    print(
+        f"\n== {model}, {dtype}: {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up",
+        flush=True,
+    )
+    load_before = round(os.getloadavg()[0], 2)
+    groups, infos, errors = start_groups(impls, spec, args, log_dir)
+    try:
+        times, cpu, losses, run_errors = run_rounds(groups, args.rounds, args.steps)
+    finally:
+        for group in groups.values():
+            group.close()
+    errors.update(run_errors)
+    entry = summarize(times, cpu, losses, infos, errors)
+    entry["spec"] = spec
+    # Other jobs on a shared machine slow whichever group runs beside them: record the load.
+    entry["loadavg_1m"] = {"before": load_before, "after": round(os.getloadavg()[0], 2)}
+    entry["versions"] = {impl: _versions(info) for impl, info in infos.items()}
+    print_table(f"train step: {model}, {dtype}, {args.world_size} ranks", entry)
+    return entry
+
+
+def _versions(info: dict) -> dict:
+    keep = ("torch_version", "deepspeed_version", "deepspeed_file", "threads")
+    return {k: info[k] for k in keep if k in info}
+
+
+def profile_ours(model: str, dtype: str, args, log_dir: Path) -> dict:
+    """Our step on rank 0 under wall-clock timers (exclusive per function), then under cProfile."""
+    spec = model_spec(model, dtype, args)
+    print(f"\n== profile: ours, {model}, {dtype}, {args.profile_steps} steps", flush=True)
+    group = WorkerGroup("ours", sys.executable, args.world_size, spec, log_dir, instrument=True)
+    try:
+        group.wait_event(args.start_timeout)
+        timed = group.command({"cmd": "profile", "steps": args.profile_steps}, timeout_s=600)
+        profiled = group.command({"cmd": "profile", "steps": args.profile_steps, "cprofile": True}, 600)
+    finally:
+        group.close()
+    step_ms = 1e3 * statistics.mean(timed["times"])
+    rows = timed["timers"]
+    wrapped = sum(r["excl_ms"] for r in rows)
+    print(f"  instrumented step: mean {step_ms:.1f} ms over ranks' max; wrapped functions {wrapped:.1f} ms")
+    print(
+        f"  {'function (exclusive = minus wrapped callees)':46s} {'calls/step':>10s} {'incl ms':>9s} {'excl ms':>9s}"
+    )
+    for r in rows[: args.profile_rows]:
+        print(f"  {r['label']:46s} {r['calls_per_step']:10.1f} {r['incl_ms']:9.2f} {r['excl_ms']:9.2f}")
+    print(f"  {'(rank-0 time outside the engine calls)':46s} {'':10s} {'':9s} {step_ms - wrapped:9.2f}")
+    n = args.profile_steps
+    print(f"  cProfile (rank 0, {n} steps; cProfile slows Python-heavy code), by cumulative time:")
+    for r in profiled["cprofile_top"][: args.profile_rows]:
+        print(f"    {r['func'][:60]:60s} {r['ncalls'] / n:8.1f}/step {1e3 * r['cumtime'] / n:8.2f} ms cum")
+    print("  cProfile, by time inside the function itself (tottime):")
+    for r in profiled["cprofile_top_self"][: args.profile_rows]:
+        print(f"    {r['func'][:60]:60s} {r['ncalls'] / n:8.1f}/step {1e3 * r['tottime'] / n:8.2f} ms self")
+    if timed.get("timers_missing"):
+        print(f"  (not instrumented, missing in this engine: {', '.join(timed['timers_missing'])})")
+    return {
+        "model": model,
+        "dtype": dtype,
+        "step_ms_instrumented": step_ms,
+        "timers": rows,
+        "cprofile_step_ms": 1e3 * statistics.mean(profiled["times"]),
+        "cprofile_top": profiled["cprofile_top"],
+        "cprofile_top_self": profiled["cprofile_top_self"],
+        "timers_missing": timed.get("timers_missing", []),
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a tiny decoder, 2 steps")
+    parser.add_argument("--models", default="decoder,mlp", help="comma list of: " + ", ".join(MODELS))
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="fp32")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of: " + ", ".join(IMPLS))
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per group per round")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="also profile our step (decoder)")
+    parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument("--profile-rows", type=int, default=22)
+    parser.add_argument(
+        "--max-reuse-distance",
+        type=int,
+        default=int(1e9),
+        help="stage3_max_reuse_distance for ours and upstream (upstream's default 1e9 keeps a "
+        "small model's parameters gathered from forward to backward; 0 re-gathers them)",
+    )
+    parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--upstream-python", type=Path, default=UPSTREAM_PYTHON)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.rounds, args.steps, args.warmup = "decoder", 2, 1, 1
+        args.profile_steps = 2
+    return args
+
+
+def chosen_impls(args) -> list:
+    impls = [i for i in args.impls.split(",") if i]
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        raise SystemExit(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
+    if "upstream" in impls and not args.upstream_python.exists():
+        print(
+            f"upstream DeepSpeed: {args.upstream_python} is missing; create it with\n"
+            "    bash benchmarks/setup_upstream.sh\n"
+            "Running the others; upstream is reported as null.",
+            file=sys.stderr,
+        )
+        impls.remove("upstream")
+    return impls
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    impls = chosen_impls(args)
+    EXTENSIONS_DIR.mkdir(parents=True, exist_ok=True)
+    dtypes = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
+    models = [m for m in args.models.split(",") if m]
+    started = time.monotonic()
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        log_dir = Path(tmp)
+        for model in models:
+            for dtype in dtypes:
+                key = "train_step" + ("" if model == "decoder" else f"_{model}")
+                key += "" if dtype == "fp32" else f"_{dtype}"
+                results[key] = measure(model, dtype, args, impls, log_dir)
+        if args.profile:
+            results["profile_ours"] = profile_ours(models[0], dtypes[0], args, log_dir)
+    results.update(
+        machine=machine_info(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        world_size=args.world_size,
+        zero_config=dict(ZERO_SIZES, max_reuse_distance=args.max_reuse_distance),
+        wall_s=round(time.monotonic() - started, 1),
+    )
+    print(f"\ntotal {results['wall_s']:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
