@@ -26,9 +26,11 @@ lint: setup
 	$(VENV)/bin/ruff check deepspeed tests benchmarks examples
 	$(VENV)/bin/ruff format --check deepspeed tests benchmarks examples
 
+# All benchmarks in one go (~6 min on 2 cores): benchmarks/results/latest.{json,md,png}.
 bench: setup
-	$(PY) benchmarks/bench_gather.py
-	$(PY) benchmarks/bench_init_memory.py
+	$(PY) -m pip install -q -r requirements/requirements-bench.txt
+	bash benchmarks/setup_upstream.sh
+	$(PY) benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,326 @@
+"""Every benchmark in one go: train step, gather, init memory, scaling; JSON, Markdown and a plot.
+
+    python benchmarks/run_all.py                       # ~6 min on 2 cores (make bench)
+    python benchmarks/run_all.py --quick --skip-upstream --out-dir /tmp/r   # a ~30 s smoke run
+
+Sections (each reuses the functions of the script named, nothing is re-implemented here):
+  train_step  bench_train_step.py: decoder and MLP, fp32 and bf16, ours / upstream DeepSpeed
+              0.19.8 / FSDP2 / DDP / single, 2 ranks; headline: decoder fp32
+  gather      bench_gather.py: P = 1, 10, 100, start/stop vs with vs one raw all-gather, plus
+              upstream's `with GatheredParameters` on the same shapes (_gather_upstream.py,
+              run with the upstream venv's python); headline: P = 100
+  init        bench_init_memory.py: peak RSS under Init vs S/N + L at world sizes 1, 2, 4
+              (glibc's default malloc); headline: the max over world sizes and ranks
+  scaling     the decoder (fp32) at world sizes 1, 2, 4, ours and FSDP2: step time and the
+              per-rank live tensor bytes between steps (parameters + grads + optimizer state)
+
+Writes `<out-dir>/latest.json`, `latest.md` (the headline tables, also printed) and
+`latest.png` (when matplotlib is installed). `--skip-upstream` reports upstream as null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _launch  # noqa: E402 - the benchmarks folder is not a package
+import _report  # noqa: E402
+import bench_gather  # noqa: E402
+import bench_init_memory  # noqa: E402
+import bench_train_step  # noqa: E402
+
+GATHER_UPSTREAM = HERE / "_gather_upstream.py"
+GATHER_MARK = "@@gather@@"
+HEADLINE_TRAIN = ("ours_s", "upstream_deepspeed_s", "fsdp2_s", "ddp_s", "single_s")
+HEADLINE_TRAIN += ("ratio_vs_upstream", "ratio_vs_fsdp2", "ratio_vs_ddp")
+
+
+def _section(title: str) -> float:
+    print(f"\n#### {title}  (load average {os.getloadavg()[0]:.2f})", flush=True)
+    return time.monotonic()
+
+
+# ----------------------------------------------------------------------------- train step
+
+
+def _train_args(opts, impls: str, world_size: int = 2) -> argparse.Namespace:
+    """bench_train_step's own arguments, for the size of run `opts` asks for."""
+    argv = ["--impls", impls, "--world-size", str(world_size)]
+    if opts.quick:
+        argv.append("--quick")
+    else:
+        argv += ["--rounds", str(opts.rounds), "--steps", "2", "--warmup", "2"]
+    targs = bench_train_step.parse_args(argv)
+    if opts.quick:
+        targs.rounds = 1
+    targs.upstream_python = opts.upstream_python
+    return targs
+
+
+def run_train(opts, log_dir: Path) -> dict:
+    began = _section("train step")
+    names = [i for i in bench_train_step.IMPLS if not (opts.skip_upstream and i == "upstream")]
+    if opts.quick:  # a smoke run: the two sharded peers are enough (the others report null)
+        names = [i for i in names if i in ("ours", "upstream", "fsdp2")]
+    targs = _train_args(opts, ",".join(names))
+    impls = bench_train_step.chosen_impls(targs)
+    bench_train_step.EXTENSIONS_DIR.mkdir(parents=True, exist_ok=True)
+    models = ["decoder"] if opts.quick else ["decoder", "mlp"]
+    dtypes = ["fp32"] if opts.quick else ["fp32", "bf16"]
+    cases = {}
+    for model in models:
+        for dtype in dtypes:
+            cases[f"{model}_{dtype}"] = bench_train_step.measure(model, dtype, targs, impls, log_dir)
+    headline = cases["decoder_fp32"]
+    out = {key: headline[key] for key in HEADLINE_TRAIN}
+    out.update(headline_case="decoder_fp32", world_size=targs.world_size, cases=cases)
+    out["wall_s"] = round(time.monotonic() - began, 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- gather
+
+
+def run_gather(opts) -> dict:
+    began = _section("gather")
+    gargs = bench_gather.parse_args(["--quick"] if opts.quick else ["--reps", "40"])
+    cfg = {
+        "counts": [int(c) for c in gargs.params.split(",")],
+        "total_elems": int(gargs.total_mb * 2**20 / 4),
+        "reps": gargs.reps,
+        "warmup": gargs.warmup,
+    }
+    ours = _launch.run_ranks(bench_gather.rank_worker, gargs.world_size, args=(cfg,))[0]
+    print(bench_gather.format_table(ours, gargs.world_size))
+    upstream = None if opts.skip_upstream else gather_upstream(cfg, gargs.world_size, opts.upstream_python)
+    for key, row in ours.items():
+        up = (upstream or {}).get(key) or {}
+        row["upstream_with_s"] = up.get("with_s")
+        row["upstream_raw_allgather_s"] = up.get("raw_allgather_s")
+        row["ratio_vs_upstream_with"] = row["with_s"] / up["with_s"] if up.get("with_s") else None
+    head = ours[f"P={max(cfg['counts'])}"]
+    return {
+        "ratio_vs_raw_allgather": head["ratio_vs_raw_allgather"],
+        "start_stop_vs_with": head["start_stop_vs_with"],
+        "upstream_with_s": {key: row["upstream_with_s"] for key, row in ours.items()},
+        "headline_case": f"P={max(cfg['counts'])}",
+        "world_size": gargs.world_size,
+        "cases": ours,
+        "wall_s": round(time.monotonic() - began, 1),
+    }
+
+
+def _rank_env(rank: int, world_size: int, port: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        TORCH_EXTENSIONS_DIR=str(bench_train_step.EXTENSIONS_DIR),
+        CUDA_VISIBLE_DEVICES="",
+    )
+    return env
+
+
+def gather_upstream(cfg: dict, world_size: int, python: Path, timeout_s: float = 300.0):
+    """Upstream's `with GatheredParameters` on bench_gather's shapes; None when it cannot run."""
+    if not python.exists():
+        print(
+            f"upstream gather: {python} is missing (bash benchmarks/setup_upstream.sh); null", file=sys.stderr
+        )
+        return None
+    cases = {f"P={c}": bench_gather.param_shapes(c, cfg["total_elems"]) for c in cfg["counts"]}
+    spec = json.dumps({"cases": cases, "reps": cfg["reps"], "warmup": cfg["warmup"]})
+    port = _launch.free_port()
+    with tempfile.TemporaryFile("w+") as errors:
+        procs = [
+            subprocess.Popen(
+                [str(python), str(GATHER_UPSTREAM), "--spec", spec],
+                stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                stderr=errors,
+                env=_rank_env(r, world_size, port),
+                text=True,
+                cwd=str(HERE),
+            )
+            for r in range(world_size)
+        ]
+        try:
+            stdout, _ = procs[0].communicate(timeout=timeout_s)
+            for p in procs[1:]:
+                p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            stdout = ""
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        errors.seek(0)
+        log = errors.read()
+    return _parse_upstream_gather(stdout, log, [p.returncode for p in procs])
+
+
+def _parse_upstream_gather(stdout: str, log: str, codes: list):
+    lines = [line for line in stdout.splitlines() if line.startswith(GATHER_MARK)]
+    if not lines or any(codes):
+        tail = "\n".join((stdout + log).splitlines()[-30:])
+        print(f"upstream gather failed (exit codes {codes}); reported as null:\n{tail}", file=sys.stderr)
+        return None
+    result = json.loads(lines[-1][len(GATHER_MARK) :])
+    print("upstream DeepSpeed `with GatheredParameters` (median ms): ", end="")
+    print(", ".join(f"{k} {1e3 * v['with_s']:.3f}" for k, v in result["cases"].items()))
+    return result["cases"]
+
+
+# ----------------------------------------------------------------------------- init memory
+
+
+def run_init(opts) -> dict:
+    began = _section("init memory")
+    iargs = bench_init_memory.parse_args(["--quick"] if opts.quick else [])
+    layers, layer_bytes = bench_init_memory.layer_plan(int(iargs.size_mb * 2**20), iargs.width)
+    cfg = {
+        "width": iargs.width,
+        "layers": layers,
+        "layer_bytes": layer_bytes,
+        "size_bytes": layers * layer_bytes,
+    }
+    world_sizes = [1, 2] if opts.quick else [1, 2, 4]
+    runs = [bench_init_memory.run_world(n, "default", cfg) for n in world_sizes]
+    print(bench_init_memory.format_table(runs, cfg))
+    return {
+        "peak_rss_ratio_to_ideal": max(run["peak_rss_ratio_to_ideal"] for run in runs),
+        "malloc": "default",
+        "size_bytes": cfg["size_bytes"],
+        "largest_layer_bytes": layer_bytes,
+        "layers": layers,
+        "width": iargs.width,
+        "cases": {str(run["world_size"]): run for run in runs},
+        "wall_s": round(time.monotonic() - began, 1),
+    }
+
+
+# ----------------------------------------------------------------------------- scaling
+
+
+def _scaling_one(impls: list, targs, log_dir: Path) -> dict:
+    spec = bench_train_step.model_spec("decoder", "fp32", targs)
+    groups, infos, errors = bench_train_step.start_groups(impls, spec, targs, log_dir)
+    memory = {}
+    try:
+        times, cpu, losses, run_errors = bench_train_step.run_rounds(groups, targs.rounds, targs.steps)
+        for impl, group in groups.items():
+            memory[impl] = group.command({"cmd": "memory"}, timeout_s=120)["state_bytes"]
+    finally:
+        for group in groups.values():
+            group.close()
+    errors.update(run_errors)
+    entry = bench_train_step.summarize(times, cpu, losses, infos, errors)
+    params = entry["params"] or 0
+    return {
+        "world_size": targs.world_size,
+        "ours_s": entry["ours_s"],
+        "fsdp2_s": entry["fsdp2_s"],
+        "ratio_vs_fsdp2": entry["ratio_vs_fsdp2"],
+        "ours_state_bytes_per_rank": max(memory["ours"]) if "ours" in memory else None,
+        "fsdp2_state_bytes_per_rank": max(memory["fsdp2"]) if "fsdp2" in memory else None,
+        # fp32 parameters, grads and AdamW's two moments, split evenly: 16 bytes per parameter.
+        "ideal_zero3_bytes_per_rank": 16 * params / targs.world_size,
+        "state_bytes_by_rank": memory,
+        "params": params,
+        "timed_steps": entry["timed_steps"],
+        "final_loss": losses,
+        "errors": errors,
+    }
+
+
+def run_scaling(opts, log_dir: Path) -> dict:
+    began = _section("scaling: decoder fp32, ours and FSDP2")
+    world_sizes = [1, 2] if opts.quick else [1, 2, 4]
+    impls = ["ours"] if opts.quick else ["ours", "fsdp2"]  # a smoke run: FSDP2 reported null
+    cases = {}
+    for world_size in world_sizes:
+        targs = _train_args(opts, ",".join(impls), world_size)
+        if not opts.quick:
+            targs.rounds = max(2, opts.rounds - 1)
+        print(f"  world size {world_size}", flush=True)
+        cases[str(world_size)] = _scaling_one(impls, targs, log_dir)
+    print(_report.scaling_table(cases))
+    return {"model": "decoder", "dtype": "fp32", "cases": cases, "wall_s": round(time.monotonic() - began, 1)}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _versions(opts) -> dict:
+    import torch
+
+    import deepspeed
+
+    upstream = None
+    if not opts.skip_upstream and opts.upstream_python.exists():
+        query = "from importlib.metadata import version as v; print(v('deepspeed'), v('torch'))"
+        proc = subprocess.run([str(opts.upstream_python), "-I", "-c", query], capture_output=True, text=True)
+        if proc.returncode == 0:
+            ds, th = proc.stdout.split()
+            upstream = {"deepspeed": ds, "torch": th}
+    return {"torch": torch.__version__, "ours": deepspeed.__version__, "upstream": upstream}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps: a smoke run")
+    parser.add_argument("--skip-upstream", action="store_true", help="leave out upstream DeepSpeed (null)")
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results", help="where latest.* go")
+    parser.add_argument("--rounds", type=int, default=5, help="train-step rounds of 2 timed steps per peer")
+    parser.add_argument("--upstream-python", type=Path, default=bench_train_step.UPSTREAM_PYTHON)
+    parser.add_argument(
+        "--only", default="train_step,gather,init,scaling", help="comma list of sections to run (others null)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    load_before = os.getloadavg()
+    only = set(opts.only.split(","))
+    report: dict = dict.fromkeys(("train_step", "gather", "init", "scaling"))
+    with tempfile.TemporaryDirectory(prefix="bench_all_") as tmp:
+        if "train_step" in only:
+            report["train_step"] = run_train(opts, Path(tmp))
+        if "gather" in only:
+            report["gather"] = run_gather(opts)
+        if "init" in only:
+            report["init"] = run_init(opts)
+        if "scaling" in only:
+            report["scaling"] = run_scaling(opts, Path(tmp))
+    report.update(
+        machine=_report.machine(load_before),
+        versions=_versions(opts),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        quick=opts.quick,
+        wall_s=round(time.monotonic() - started, 1),
+    )
+    _report.write_all(report, opts.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
