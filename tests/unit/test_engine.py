@@ -147,6 +147,8 @@ class TestEngineParity(DistributedTest):
         assert local_params * ws == full + pad
         assert local_grads == local_params and local_state == 2 * local_params  # Adam: two moments
         assert all(p.grad is None for p in params)  # full gradients were freed once reduced
+        # fp32 training: each master shares its parameter's shard instead of copying it
+        assert all(engine.optimizer.masters[p.ds_id].data_ptr() == p.ds_tensor.data_ptr() for p in params)
 
 
 class TestEngineFeatures(DistributedTest):

@@ -111,7 +111,13 @@ class ZeroStage3Optimizer:
         return out
 
     def _make_master(self, state: ZeroParamState, device: Optional[torch.device]) -> nn.Parameter:
-        master = nn.Parameter(state.shard.detach().to(device or state.shard.device, torch.float32, copy=True))
+        target = torch.device(device) if device is not None else state.shard.device
+        if state.shard.dtype == torch.float32 and state.shard.device == target:
+            # fp32 training: the shard already is this rank's fp32 slice; the master shares it
+            # (4 bytes per parameter less) and the write-back after a step has nothing to copy.
+            master = nn.Parameter(state.shard.detach())
+        else:
+            master = nn.Parameter(state.shard.detach().to(target, torch.float32, copy=True))
         master.grad = torch.zeros_like(master)
         self.masters[state.ds_id] = master
         self.states.append(state)
@@ -196,7 +202,9 @@ class ZeroStage3Optimizer:
     @torch.no_grad()
     def _write_back_masters(self) -> None:
         for state in self.states:
-            state.shard.copy_(self.masters[state.ds_id].data)
+            master = self.masters[state.ds_id]
+            if master.data_ptr() != state.shard.data_ptr():  # not shared (see _make_master)
+                state.shard.copy_(master.data)
 
     def get_global_grad_norm(self) -> Optional[float]:
         return self._global_grad_norm
