@@ -163,6 +163,21 @@ class TestEngineFeatures(DistributedTest):
         torch.testing.assert_close(torch.tensor(bf16_losses), torch.tensor(fp32_losses), rtol=0.03, atol=0.03)
         assert bf16_losses[-1] < bf16_losses[0]
 
+    def test_edit_after_initialize_reaches_the_master(self):
+        """A modifier_rank edit of a bf16 parameter is not overwritten by the next step."""
+        cfg = config(bf16={"enabled": True}, optimizer={"type": "SGD", "params": {"lr": 0.0}})
+        torch.manual_seed(0)
+        engine, _, _, _ = deepspeed.initialize(model=TinyLM(), config=cfg)
+        ids, labels = batches(1)[0]
+        engine.backward(engine(my_slice(ids), my_slice(labels)))
+        engine.step()
+        head = engine.module.head
+        with deepspeed.zero.GatheredParameters(head.weight, modifier_rank=0):
+            head.weight.data.fill_(0.5)
+        engine.backward(engine(my_slice(ids), my_slice(labels)))
+        engine.step()  # lr 0: the step must keep the edit, not restore the stale master
+        assert torch.all(gathered_params(engine.module)["head.weight"] == 0.5)
+
     def test_fp16_overflow_skips_step_and_lowers_scale(self):
         cfg = config(
             fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}

@@ -132,6 +132,7 @@ class ZeroParamState:
     pending: Optional[Any]  # the gather bucket that will materialize an INFLIGHT parameter
     param_type: ZeroParamType
     sanity_checks: bool  # detect edits discarded by a modifier_rank=None gather
+    shard_version: int  # counts write-backs of edits, so the optimizer can refresh its master
     external_owners: list  # modules this parameter is registered with as external
 
     def __init__(
@@ -162,6 +163,7 @@ class ZeroParamState:
         self.param_type = ZeroParamType.REMOTE if remote_device is not None else ZeroParamType.PARTITIONED
         self.sanity_checks = False
         self.external_owners = []
+        self.shard_version = 0  # bumped by every write-back of an edit into the shard
 
     @classmethod
     def copy_for(cls, source: ZeroParamState, param: nn.Parameter) -> ZeroParamState:
@@ -210,6 +212,7 @@ class ZeroParamState:
         """Copy this rank's slice of the gathered tensor into the shard (has_been_updated=True)."""
         self._require(ZeroParamStatus.AVAILABLE, "write_back")
         self._copy_own_slice(self.param.data, self.shard)
+        self.shard_version += 1  # tells the optimizer its fp32 master is stale
 
     # ------------------------------------------------------------------ status transitions
 

@@ -78,6 +78,7 @@ class ZeroStage3Optimizer:
         self.config = config
         self.group = None
         self.masters: dict = {}  # ds_id -> fp32 master nn.Parameter [partition_size]
+        self._master_versions: dict = {}  # ds_id -> the shard_version the master reflects
         self.states: list = []  # trainable ZeroParamStates, in parameter order
         groups = self._master_groups(_param_groups(module, model_parameters), master_device)
         self.optimizer = self._wrap_optimizer(client_optimizer, groups)
@@ -120,6 +121,7 @@ class ZeroStage3Optimizer:
             master = nn.Parameter(state.shard.detach().to(target, torch.float32, copy=True))
         master.grad = torch.zeros_like(master)
         self.masters[state.ds_id] = master
+        self._master_versions[state.ds_id] = state.shard_version
         self.states.append(state)
         self.group = state.group
         return master
@@ -194,10 +196,21 @@ class ZeroStage3Optimizer:
             factor *= self.clip / (norm + 1e-6)
         if factor != 1.0:
             torch._foreach_mul_([master.grad for master in self.masters.values()], factor)
+        self._refresh_edited_masters()
         self.optimizer.step()
         self._write_back_masters()
         self.loss_scaler.update_scale(False)
         return True
+
+    @torch.no_grad()
+    def _refresh_edited_masters(self) -> None:
+        """Masters of shards edited since the last step (GatheredParameters with modifier_rank)."""
+        for state in self.states:
+            if state.shard_version != self._master_versions[state.ds_id]:
+                master = self.masters[state.ds_id]
+                if master.data_ptr() != state.shard.data_ptr():
+                    master.data.copy_(state.shard)
+                self._master_versions[state.ds_id] = state.shard_version
 
     @torch.no_grad()
     def _write_back_masters(self) -> None:
