@@ -103,7 +103,8 @@ def main():
         rank0_print(f"step {step + 1}/{STEPS}: loss {mean.item() / dist.get_world_size():.4f}")
 
     local, full = param_bytes(model)
-    grads = sum(m.grad.numel() * m.grad.element_size() for m in optimizer.masters.values())
+    # fp32 gradient shards live from the first backward of a step until step() frees them
+    grads = sum(m.numel() * 4 for m in optimizer.masters.values())
     states = sum(
         t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim()
     )

@@ -140,6 +140,9 @@ class TestEngineParity(DistributedTest):
         pad = sum(p.padding_size() for p in params)
         local_params = sum(p.ds_tensor.numel() for p in params)
         masters = engine.optimizer.masters.values()
+        assert all(m.grad is None for m in masters)  # gradient shards are freed after each step
+        ids, labels = batches(1, seed=2)[0]
+        engine.backward(engine(my_slice(ids), my_slice(labels)))
         local_grads = sum(m.grad.numel() for m in masters)
         local_state = sum(
             t.numel() for s in engine.optimizer.state.values() for t in s.values() if t.dim() > 0

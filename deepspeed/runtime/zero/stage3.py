@@ -3,7 +3,8 @@
 [Note: master shards]
 Each trainable ZeRO parameter gets an fp32 master copy of this rank's shard, an
 `nn.Parameter` of `partition_size` elements whose `.grad` is the fp32 gradient shard the
-`GradientReducer` accumulates into. The wrapped torch optimizer sees only masters, so its
+`GradientReducer` accumulates into (allocated by the first gradient of a step and freed
+after the step, as `zero_grad(set_to_none=True)` does in torch). The wrapped torch optimizer sees only masters, so its
 state (Adam moments) is sharded too. After a step the masters are cast back into the
 parameters' shards; parameters that stay gathered are then re-gathered.
 
@@ -119,7 +120,7 @@ class ZeroStage3Optimizer:
             master = nn.Parameter(state.shard.detach())
         else:
             master = nn.Parameter(state.shard.detach().to(target, torch.float32, copy=True))
-        master.grad = torch.zeros_like(master)
+        master.grad = None  # allocated by the first reduced gradient, freed after each step
         self.masters[state.ds_id] = master
         self._master_versions[state.ds_id] = state.shard_version
         self.states.append(state)
@@ -144,7 +145,11 @@ class ZeroStage3Optimizer:
     # ------------------------------------------------------------------ what the engine calls
 
     def grad_shard(self, state: ZeroParamState) -> torch.Tensor:
-        return self.masters[state.ds_id].grad
+        """The fp32 gradient shard to accumulate into (allocated on first use in a step)."""
+        master = self.masters[state.ds_id]
+        if master.grad is None:
+            master.grad = torch.zeros_like(master)
+        return master.grad
 
     @property
     def param_groups(self) -> list:
@@ -162,17 +167,23 @@ class ZeroStage3Optimizer:
     def cur_scale(self) -> float:
         return self.loss_scaler.loss_scale
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        del set_to_none  # the gradient shards are reused buffers
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Free the gradient shards (or zero them): between steps they cost 4 bytes/parameter."""
         for master in self.masters.values():
-            master.grad.zero_()
+            if set_to_none:
+                master.grad = None
+            elif master.grad is not None:
+                master.grad.zero_()
+
+    def _grads(self) -> list:
+        return [m.grad for m in self.masters.values() if m.grad is not None]
 
     def _global_norm_of_scaled_grads(self) -> float:
         """The L2 norm over every rank's gradient shards (inf or nan when any overflowed).
 
         One fused per-tensor norm and one all-reduce; padding elements are zeros.
         """
-        grads = [master.grad for master in self.masters.values()]
+        grads = self._grads()
         local = torch.zeros(1, dtype=torch.float64)
         if grads:
             norms = torch._foreach_norm(grads)
@@ -195,7 +206,7 @@ class ZeroStage3Optimizer:
         if self.clip > 0 and norm > self.clip:
             factor *= self.clip / (norm + 1e-6)
         if factor != 1.0:
-            torch._foreach_mul_([master.grad for master in self.masters.values()], factor)
+            torch._foreach_mul_(self._grads(), factor)
         self._refresh_edited_masters()
         self.optimizer.step()
         self._write_back_masters()
