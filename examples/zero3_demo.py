@@ -10,6 +10,7 @@ of parameters, gradients and optimizer state.
 """
 
 import argparse
+import sys
 
 import torch
 from torch import nn
@@ -108,11 +109,12 @@ def main():
     states = sum(
         t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim()
     )
-    print(
+    line = (
         f"rank {dist.get_rank()}: parameters {local} of {full} bytes ({local / full:.2f} of the model), "
-        f"fp32 gradient shards {grads} bytes, optimizer state {states} bytes",
-        flush=True,
+        f"fp32 gradient shards {grads} bytes, optimizer state {states} bytes\n"
     )
+    sys.stdout.write(line)  # one write: the ranks share stdout, and print() writes the newline apart
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
