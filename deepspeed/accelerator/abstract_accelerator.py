@@ -33,14 +33,16 @@ class DeepSpeedAccelerator(abc.ABC):
     def is_synchronized_device(self) -> bool:
         """True when kernels run synchronously with the host (no streams to wait on)."""
 
-    @abc.abstractmethod
-    def use_host_timers(self) -> bool: ...
+    # On a synchronized device the host clock times kernels, data dependencies resolve in
+    # program order, and memory pressure is the host's: one answer for all three.
+    def use_host_timers(self) -> bool:
+        return self.is_synchronized_device()
 
-    @abc.abstractmethod
-    def resolves_data_dependency(self) -> bool: ...
+    def resolves_data_dependency(self) -> bool:
+        return self.is_synchronized_device()
 
-    @abc.abstractmethod
-    def handles_memory_backpressure(self) -> bool: ...
+    def handles_memory_backpressure(self) -> bool:
+        return self.is_synchronized_device()
 
     @abc.abstractmethod
     def device_name(self, device_index: Optional[int] = None) -> str: ...

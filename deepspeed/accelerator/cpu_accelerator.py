@@ -127,15 +127,6 @@ class CPU_Accelerator(DeepSpeedAccelerator):
     def is_synchronized_device(self) -> bool:
         return True
 
-    def use_host_timers(self) -> bool:
-        return self.is_synchronized_device()
-
-    def resolves_data_dependency(self) -> bool:
-        return self.is_synchronized_device()
-
-    def handles_memory_backpressure(self) -> bool:
-        return self.is_synchronized_device()
-
     def device_name(self, device_index: Optional[int] = None) -> str:
         return "cpu"
 

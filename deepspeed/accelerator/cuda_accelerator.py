@@ -29,15 +29,6 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
     def is_synchronized_device(self) -> bool:
         return False
 
-    def use_host_timers(self) -> bool:
-        return self.is_synchronized_device()
-
-    def resolves_data_dependency(self) -> bool:
-        return self.is_synchronized_device()
-
-    def handles_memory_backpressure(self) -> bool:
-        return self.is_synchronized_device()
-
     def device_name(self, device_index: Optional[int] = None) -> str:
         return "cuda" if device_index is None else f"cuda:{device_index}"
 
