@@ -170,7 +170,12 @@ class CheckpointMixin:
             ckpt_io.atomic_torch_save(self._optim_states(entries, header), optim_path)
 
     def _publish_save(self, save_dir: str, ckpt_dir: str, tag: str, save_latest: bool) -> None:
-        if _rank() != 0:
+        # `checkpoint.use_node_local_storage` (HF's save_on_each_node): each node's storage is
+        # its own, so the first rank of every node publishes there; otherwise rank 0 alone.
+        if self._config.use_node_local_storage:
+            if dist.get_local_rank() != 0:
+                return
+        elif _rank() != 0:
             return
         removed = ckpt_io.remove_stale_rank_files(ckpt_dir, _world_size())
         if removed:

@@ -1,9 +1,11 @@
 """`DeepSpeedConfig`: the whole DeepSpeed JSON config, typed, checked and flattened.
 
 The JSON layout and key names are upstream DeepSpeed 0.19's. Every known top-level key is a
-field of `DeepSpeedRootConfig`; the sections that this package accepts but does not act on
-(monitors, profilers, compression, ...) are kept as free-form dicts so that published configs
-validate unchanged, while a misspelt key anywhere is an error naming the closest valid ones.
+field of `DeepSpeedRootConfig`; the sections of upstream features this package does not
+implement (monitors, profilers, compression, ...) are free-form dicts that parse when absent,
+empty or switched off (``{"enabled": false}``) and are refused otherwise, naming the key (see
+[Note: every key is acted on or rejected] in `config_utils`). A misspelt key anywhere is an
+error naming the closest valid ones.
 
 `DeepSpeedConfig` adds what needs more than one key at a time: the batch-size identity
 ``train_batch_size = micro * accumulation * world_size``, and upstream's flat attributes
@@ -24,7 +26,7 @@ import binascii
 import json
 import os
 from collections.abc import Mapping
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
 from pydantic import AliasChoices, Field, field_validator, model_validator
@@ -32,8 +34,10 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from deepspeed.runtime.config_utils import (
     DeepSpeedConfigError,
     DeepSpeedConfigModel,
+    Unsupported,
     parse_section,
     reject_auto_values,
+    section_is_off,
     strip_auto_values,
 )
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum, legacy_zero_value
@@ -87,14 +91,65 @@ _COMM_DTYPE_SYNONYMS = {"float32": "fp32", "float16": "fp16", "half": "fp16", "b
 FreeForm = Optional[dict[str, Any]]
 
 
+def _off(feature: str, instead: str = "") -> Unsupported:
+    """The rule for a free-form section of an upstream feature not implemented here."""
+    hint = f"; {instead}" if instead else ""
+    return Unsupported(
+        f"{feature} is not implemented{hint}; remove the block or switch it off", section_is_off
+    )
+
+
+def _true_unsupported(feature: str) -> Unsupported:
+    return Unsupported(f"{feature}; remove the key or set it to false")
+
+
+# Upstream's `aio` defaults (NVMe async I/O), which PyTorch Lightning writes into every config.
+_AIO_DEFAULTS = {
+    "block_size": 1048576,
+    "queue_depth": 8,
+    "intra_op_parallelism": 1,
+    "thread_count": 1,
+    "single_submit": False,
+    "overlap_events": True,
+    "use_gds": False,
+}
+_CHECKPOINT_DEFAULTS = {"tag_validation": ("warn", "fail"), "load_universal": (False,)}
+
+
+def _aio_supported(value: Optional[dict]) -> bool:
+    return all(_AIO_DEFAULTS.get(k, object()) == v for k, v in (value or {}).items())
+
+
+def _checkpoint_supported(value: Optional[dict]) -> bool:
+    for key, item in (value or {}).items():
+        if key == "use_node_local_storage":
+            continue  # acted on: every node's local rank 0 publishes `latest` (checkpointing.py)
+        allowed = _CHECKPOINT_DEFAULTS.get(key)
+        shown = item.lower() if isinstance(item, str) else item
+        if allowed is None or shown not in allowed:
+            return False
+    return True
+
+
+def _data_types_supported(value: Optional[dict]) -> bool:
+    extra = set(value or {}) - {"grad_accum_dtype"}
+    return not extra and (value or {}).get("grad_accum_dtype") in (None, "fp32", "float32")
+
+
 class DeepSpeedFP16Config(DeepSpeedConfigModel):
     """`fp16`: train in float16 with a (by default dynamic) loss scale."""
+
+    _unsupported: ClassVar[dict[str, Unsupported]] = {
+        "fp16_master_weights_and_grads": _true_unsupported(
+            "masters and gradients are always kept in fp32 (upstream allows fp16 only with CPU-offload Adam)"
+        ),
+    }
 
     enabled: bool = False
     """Train with float16 parameters and activations."""
 
     auto_cast: bool = False
-    """Cast floating-point inputs of the model's forward to float16."""
+    """Cast floating-point tensors among the engine forward's inputs to float16 (with `enabled`)."""
 
     loss_scale: float = Field(0.0, ge=0.0)
     """Static loss scale; 0 selects dynamic loss scaling."""
@@ -121,18 +176,32 @@ class DeepSpeedFP16Config(DeepSpeedConfigModel):
 class DeepSpeedBF16Config(DeepSpeedConfigModel):
     """`bf16` (also spelt `bfloat16`): train in bfloat16; no loss scaling is needed."""
 
+    _unsupported: ClassVar[dict[str, Unsupported]] = {
+        "check_grad_overflow": _true_unsupported(
+            "bf16 steps are not skipped on inf/nan gradients; use fp16 for overflow-skipping steps"
+        ),
+    }
+    _no_effect: ClassVar[dict[str, str]] = {
+        "immediate_grad_update": "reduced gradients are always added to the fp32 gradient shard as each "
+        "bucket is reduced (what true means upstream); false only delays that upstream",
+    }
+
     enabled: bool = False
     """Train with bfloat16 parameters and activations."""
 
     immediate_grad_update: bool = False
-    """Upstream: apply gradients to the fp32 copy as they arrive; accepted, not acted on."""
+    """Upstream: apply gradients to the fp32 copy as they arrive; always so here (no effect)."""
 
     check_grad_overflow: bool = False
-    """Upstream: check bfloat16 gradients for inf/nan; accepted, not acted on."""
+    """Upstream: skip a step on inf/nan bfloat16 gradients; true is refused (not implemented)."""
 
 
 class DeepSpeedOptimizerConfig(DeepSpeedConfigModel):
     """`optimizer`: which optimizer the engine builds when the client passes none."""
+
+    _unsupported: ClassVar[dict[str, Unsupported]] = {
+        "legacy_fusion": _true_unsupported("upstream's old fused fp16 optimizer path is not implemented"),
+    }
 
     type: Optional[str] = None
     """Optimizer name, case-insensitive for DeepSpeed's own (Adam, AdamW, Lamb, OneBitAdam, ...)."""
@@ -141,7 +210,7 @@ class DeepSpeedOptimizerConfig(DeepSpeedConfigModel):
     """Keyword arguments for the optimizer (lr, betas, eps, weight_decay, torch_adam, ...)."""
 
     legacy_fusion: bool = False
-    """Upstream's old fused fp16 optimizer path; accepted, not acted on."""
+    """Upstream's old fused fp16 optimizer path; true is refused (not implemented)."""
 
 
 class DeepSpeedSchedulerConfig(DeepSpeedConfigModel):
@@ -156,6 +225,80 @@ class DeepSpeedSchedulerConfig(DeepSpeedConfigModel):
 
 class DeepSpeedRootConfig(DeepSpeedConfigModel):
     """Every top-level key of a DeepSpeed JSON config; unknown keys are errors."""
+
+    _unsupported: ClassVar[dict[str, Unsupported]] = {
+        "sparse_gradients": _true_unsupported("gradients are reduce-scattered as dense tensors"),
+        "seq_parallel_communication_data_type": Unsupported(
+            "sequence parallelism is not implemented; remove the key or set it to 'fp32'"
+        ),
+        "wall_clock_breakdown": _true_unsupported("engine timers are not implemented; use torch.profiler"),
+        "memory_breakdown": _true_unsupported(
+            "memory logging is not implemented; use get_accelerator().memory_allocated()"
+        ),
+        "dump_state": _true_unsupported("state dumps are not implemented; print(engine._config.describe())"),
+        "disable_allgather": _true_unsupported("parameters are always all-gathered for forward and backward"),
+        "fp32_allreduce": _true_unsupported('set "communication_data_type": "fp32" instead'),
+        "graph_harvesting": _true_unsupported("accelerator graph capture of the step is not implemented"),
+        "use_data_before_expert_parallelism": _true_unsupported(
+            "mixture-of-experts groups are not implemented"
+        ),
+        "sequence_parallel_size": Unsupported("sequence parallelism is not implemented; set it to 1"),
+        "load_universal_checkpoint": _true_unsupported(
+            "universal checkpoints are not read; checkpoints saved here load on any number of ranks as they are"
+        ),
+        "dataloader_drop_last": _true_unsupported(
+            "the engine's data loader gives every rank the same number of full batches already; "
+            "pass your own DataLoader(drop_last=True) otherwise"
+        ),
+        "checkpoint": Unsupported(
+            "supported entries are use_node_local_storage, tag_validation 'Warn' or 'Fail' (a tag that "
+            "differs between ranks always raises) and load_universal false",
+            _checkpoint_supported,
+        ),
+        "data_types": Unsupported(
+            "gradients always accumulate in fp32; remove data_types or set grad_accum_dtype to 'fp32'",
+            _data_types_supported,
+        ),
+        "amp": _off("NVIDIA Apex AMP", "use fp16 or bf16"),
+        "activation_checkpointing": _off(
+            "DeepSpeed's activation checkpointing (partitioned, CPU-offloaded activations)",
+            "use torch.utils.checkpoint, which works with ZeRO-3 parameters",
+        ),
+        "flops_profiler": _off("the FLOPs profiler"),
+        "tensorboard": _off("the TensorBoard monitor"),
+        "wandb": _off("the Weights & Biases monitor"),
+        "csv_monitor": _off("the CSV monitor"),
+        "comet": _off("the Comet monitor"),
+        "monitor_config": _off("monitoring"),
+        "comms_logger": _off("the communication logger"),
+        "aio": Unsupported(
+            "async I/O serves NVMe offload, which is not implemented; remove the block or keep "
+            f"upstream's defaults {_AIO_DEFAULTS}",
+            _aio_supported,
+        ),
+        "elasticity": _off("elastic training"),
+        "pipeline": _off("the pipeline-parallel engine"),
+        "autotuning": _off("the autotuner"),
+        "compile": _off("torch.compile / DeepCompile inside the engine", "compile the model yourself"),
+        "nebula": _off("the Nebula checkpoint service"),
+        "compression_training": _off("compression training"),
+        "data_efficiency": _off("data efficiency"),
+        "curriculum_learning": _off("curriculum learning"),
+        "weight_quantization": _off("weight quantization"),
+        "hybrid_engine": _off("the RLHF hybrid engine"),
+        "eigenvalue": _off("eigenvalue computation"),
+        "progressive_layer_drop": _off("progressive layer drop"),
+        "quantize_training": _off("quantization-aware training"),
+        "sparse_attention": _off("sparse attention"),
+        "timers": _off("engine timers"),
+        "torch_autocast": _off("torch.autocast inside the engine", "use fp16 or bf16"),
+        "tensor_parallel": _off("AutoTP tensor parallelism"),
+    }
+    _no_effect: ClassVar[dict[str, str]] = {
+        "zero_allow_untested_optimizer": "every client optimizer is allowed, as if true (HF and "
+        "accelerate set it to true); the wrapped optimizer steps the fp32 shards whatever its class",
+        "zero_force_ds_cpu_optimizer": "applies only with offload_optimizer, which is refused",
+    }
 
     train_batch_size: Optional[int] = Field(None, gt=0)
     """Samples per optimizer step over all ranks: micro batch * accumulation steps * world size."""
@@ -220,13 +363,13 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     """Print the engine state after initialisation."""
 
     disable_allgather: bool = False
-    """Upstream stage-1/2 option; accepted, not acted on."""
+    """Upstream stage-1/2 option; true is refused (parameters are always all-gathered)."""
 
     fp32_allreduce: bool = False
-    """Upstream: all-reduce gradients in fp32; accepted, not acted on."""
+    """Upstream: all-reduce gradients in fp32; true is refused (use `communication_data_type`)."""
 
     graph_harvesting: bool = False
-    """Upstream: capture the step as an accelerator graph; accepted, not acted on."""
+    """Upstream: capture the step as an accelerator graph; true is refused."""
 
     use_node_local_storage: bool = False
     """Checkpoint files live on storage local to each node (upstream's legacy top-level key)."""
@@ -238,97 +381,97 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     """Drop the last incomplete batch of the engine-built data loader."""
 
     use_data_before_expert_parallelism: bool = False
-    """Upstream MoE group layout option; accepted, not acted on."""
+    """Upstream MoE group layout option; true is refused."""
 
     sequence_parallel_size: int = Field(1, ge=1)
-    """Ranks that split one sequence (Ulysses); accepted, not acted on."""
+    """Ranks that split one sequence (Ulysses); values other than 1 are refused."""
 
     checkpoint: FreeForm = None
-    """Checkpoint options (tag_validation, load_universal, use_node_local_storage, ...); free-form."""
+    """Checkpoint options; use_node_local_storage and tag_validation Warn/Fail are read, others refused."""
 
     data_types: FreeForm = None
-    """Data type options such as ``grad_accum_dtype``; free-form."""
+    """Data type options; ``grad_accum_dtype`` "fp32" (what happens here) parses, others are refused."""
 
     amp: FreeForm = None
-    """NVIDIA Apex AMP settings; accepted, not acted on."""
+    """NVIDIA Apex AMP settings; refused unless absent, empty or switched off."""
 
     activation_checkpointing: FreeForm = None
-    """Activation checkpointing settings; accepted, not acted on."""
+    """Activation checkpointing settings; refused unless absent, empty or switched off."""
 
     flops_profiler: FreeForm = None
-    """FLOPs profiler settings; accepted, not acted on."""
+    """FLOPs profiler settings; refused unless absent, empty or switched off."""
 
     tensorboard: FreeForm = None
-    """TensorBoard monitor settings; accepted, not acted on."""
+    """TensorBoard monitor settings; refused unless absent, empty or switched off."""
 
     wandb: FreeForm = None
-    """Weights & Biases monitor settings; accepted, not acted on."""
+    """Weights & Biases monitor settings; refused unless absent, empty or switched off."""
 
     csv_monitor: FreeForm = None
-    """CSV monitor settings; accepted, not acted on."""
+    """CSV monitor settings; refused unless absent, empty or switched off."""
 
     comet: FreeForm = None
-    """Comet monitor settings; accepted, not acted on."""
+    """Comet monitor settings; refused unless absent, empty or switched off."""
 
     monitor_config: FreeForm = None
-    """Monitor settings in one block; accepted, not acted on."""
+    """Monitor settings in one block; refused unless absent, empty or switched off."""
 
     comms_logger: FreeForm = None
-    """Communication logger settings; accepted, not acted on."""
+    """Communication logger settings; refused unless absent, empty or switched off."""
 
     aio: FreeForm = None
-    """Async I/O settings for NVMe offload; accepted, not acted on."""
+    """Async I/O settings for NVMe offload; values other than upstream's defaults are refused."""
 
     elasticity: FreeForm = None
-    """Elastic training settings; accepted, not acted on."""
+    """Elastic training settings; refused unless absent, empty or switched off."""
 
     pipeline: FreeForm = None
-    """Pipeline-parallel engine settings; accepted, not acted on."""
+    """Pipeline-parallel engine settings; refused unless absent, empty or switched off."""
 
     autotuning: FreeForm = None
-    """Autotuner settings; accepted, not acted on."""
+    """Autotuner settings; refused unless absent, empty or switched off."""
 
     compile: FreeForm = None
-    """`torch.compile` / DeepCompile settings; accepted, not acted on."""
+    """`torch.compile` / DeepCompile settings; refused unless absent, empty or switched off."""
 
     nebula: FreeForm = None
-    """Nebula checkpoint service settings; accepted, not acted on."""
+    """Nebula checkpoint service settings; refused unless absent, empty or switched off."""
 
     compression_training: FreeForm = None
-    """Compression (quantisation, pruning) training settings; accepted, not acted on."""
+    """Compression (quantisation, pruning) training; refused unless absent, empty or switched off."""
 
     data_efficiency: FreeForm = None
-    """Data efficiency (sampling, routing) settings; accepted, not acted on."""
+    """Data efficiency (sampling, routing) settings; refused unless absent, empty or switched off."""
 
     curriculum_learning: FreeForm = None
-    """Legacy curriculum learning settings; accepted, not acted on."""
+    """Legacy curriculum learning settings; refused unless absent, empty or switched off."""
 
     weight_quantization: FreeForm = None
-    """Post-training weight quantisation settings; accepted, not acted on."""
+    """Post-training weight quantisation settings; refused unless absent, empty or switched off."""
 
     hybrid_engine: FreeForm = None
-    """RLHF hybrid engine settings; accepted, not acted on."""
+    """RLHF hybrid engine settings; refused unless absent, empty or switched off."""
 
     eigenvalue: FreeForm = None
-    """Eigenvalue computation settings; accepted, not acted on."""
+    """Eigenvalue computation settings; refused unless absent, empty or switched off."""
 
     progressive_layer_drop: FreeForm = None
-    """Progressive layer drop settings; accepted, not acted on."""
+    """Progressive layer drop settings; refused unless absent, empty or switched off."""
 
     quantize_training: FreeForm = None
-    """Quantisation-aware training settings; accepted, not acted on."""
+    """Quantisation-aware training settings; refused unless absent, empty or switched off."""
 
     sparse_attention: FreeForm = None
-    """Sparse attention settings; accepted, not acted on."""
+    """Sparse attention settings; refused unless absent, empty or switched off."""
 
     timers: FreeForm = None
-    """Engine timer settings; accepted, not acted on."""
+    """Engine timer settings; refused unless absent, empty or switched off."""
 
     torch_autocast: FreeForm = None
-    """Upstream `torch.autocast` mixed-precision settings; accepted, not acted on."""
+    """Upstream `torch.autocast` mixed precision; refused unless absent, empty or switched off."""
 
     tensor_parallel: FreeForm = None
-    """Upstream AutoTP training settings; accepted, not acted on."""
+    """Upstream AutoTP training settings; refused unless absent, empty or switched off."""
 
     @field_validator("zero_optimization", mode="before")
     @classmethod

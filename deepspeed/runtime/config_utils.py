@@ -1,6 +1,6 @@
 """The pydantic base for every typed config section, and readable errors for bad input.
 
-Three jobs live here, shared by `zero/config.py`, `zero/offload_config.py` and `config.py`:
+Four jobs live here, shared by `zero/config.py`, `zero/offload_config.py` and `config.py`:
 
 - `DeepSpeedConfigModel`: strict (`extra="forbid"`) models that accept a field by its name or
   by its upstream JSON alias, and re-validate on assignment.
@@ -8,11 +8,29 @@ Three jobs live here, shared by `zero/config.py`, `zero/offload_config.py` and `
   new field before validation, with a warning on the ``deepspeed`` logger.
 - `validation_error_to_value_error`: turns pydantic's `ValidationError` into one `ValueError`
   that names the full dotted key, the value given, and what is allowed.
+- Honesty about what is implemented: a class lists in `_unsupported` the fields whose
+  non-default values nothing here acts on, and `parse_section` rejects such a value with the
+  dotted key and the supported alternative; see [Note: every key is acted on or rejected].
 
 [Note: why deprecated keys are not fields]
 Upstream keeps old spellings as real fields and copies them over after validation. Here they
 are rewritten before validation, so a model has exactly one attribute per option and the
 old name never shows up as a stale attribute with a different value.
+
+[Note: every key is acted on or rejected]
+A config key that parses and then does nothing is worse than an error: a user who sets
+``offload_optimizer`` to save memory gets an out-of-memory error instead. So each field of
+every section is one of:
+- acted on: some code outside the config modules reads it (tests/unit/test_config_honesty.py
+  checks this by scanning the source for each field's reader);
+- unsupported: listed in its class's `_unsupported` with the alternative to use; the default
+  value parses, any other raises `DeepSpeedConfigError` naming the dotted key and the value;
+- without effect by design: listed in `_no_effect` with the reason, for the few upstream
+  tuning knobs of code paths this implementation replaces, where every value gives the same
+  results and memory (``sub_group_size``: the step is element-wise and needs no sub-group
+  buffers). HF, accelerate and Lightning write some of these with non-default values, so
+  they cannot be rejected.
+docs/config.md lists every key with what it does here.
 """
 
 import dataclasses
@@ -20,6 +38,7 @@ import difflib
 import enum
 import typing
 from collections.abc import Iterator, Sequence
+from pathlib import PurePath
 from typing import Any, Callable, ClassVar, Optional
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, ValidationError, model_validator
@@ -31,12 +50,15 @@ __all__ = [
     "DeepSpeedConfigError",
     "DeepSpeedConfigModel",
     "DeprecatedKey",
+    "Unsupported",
     "field_spellings",
     "find_auto_values",
     "format_loc",
     "get_scalar_param",
     "parse_section",
     "reject_auto_values",
+    "reject_unsupported",
+    "section_is_off",
     "strip_auto_values",
     "validation_error_to_value_error",
 ]
@@ -61,6 +83,32 @@ class DeprecatedKey:
     note: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """A field whose non-default values this implementation does not act on.
+
+    `alternative` tells the user what to do instead. `accepts(value)` decides which values
+    parse; None accepts only the field's default.
+    """
+
+    alternative: str
+    accepts: Optional[Callable[[Any], bool]] = None
+
+
+def section_is_off(value: Any) -> bool:
+    """True for an absent, empty or switched-off free-form section.
+
+    A dict with an ``enabled`` key is off when that is false (other keys then do nothing);
+    otherwise it is off when every value in it is off (false, zero, empty or None), so that
+    a block that spells out its defaults (``{"partition_activations": false}``) parses.
+    """
+    if isinstance(value, dict):
+        if "enabled" in value:
+            return not value["enabled"]
+        return all(section_is_off(item) for item in value.values())
+    return not value
+
+
 class DeepSpeedConfigModel(BaseModel):
     """Base of all typed config sections: strict keys, aliases, deprecated spellings.
 
@@ -80,6 +128,10 @@ class DeepSpeedConfigModel(BaseModel):
 
     # old key -> what it becomes; each subclass sets its own.
     _deprecated_keys: ClassVar[dict[str, DeprecatedKey]] = {}
+    # field name -> why non-default values are refused (see [Note: every key is acted on or rejected]).
+    _unsupported: ClassVar[dict[str, Unsupported]] = {}
+    # field name -> why every value behaves the same here (the same note).
+    _no_effect: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -101,6 +153,8 @@ class DeepSpeedConfigModel(BaseModel):
             super().__setattr__(name, value)
         except ValidationError as err:
             raise validation_error_to_value_error(err, type(self)) from None
+        if name in type(self)._unsupported:
+            _check_supported(self, name, "")
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -290,12 +344,56 @@ def validation_error_to_value_error(
 
 
 def parse_section(model_cls: type[BaseModel], data: Any, prefix: str = "") -> Any:
-    """`model_cls.model_validate(data)`, with errors turned into a readable `ValueError`."""
+    """`model_cls.model_validate(data)`, with errors turned into a readable `ValueError`.
+
+    Values that nothing here acts on are refused too (`reject_unsupported`).
+    """
     try:
-        return model_cls.model_validate({} if data is None else data)
+        model = model_cls.model_validate({} if data is None else data)
     except ValidationError as err:
         # `from None`: the pydantic traceback repeats what the message already says.
         raise validation_error_to_value_error(err, model_cls, prefix) from None
+    reject_unsupported(model, prefix)
+    return model
+
+
+# ----------------------------------------------------------------------------------------
+# Unsupported values
+
+
+def _shown(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, PurePath):
+        return str(value)
+    return value
+
+
+def _check_supported(model: BaseModel, name: str, prefix: str) -> None:
+    rule = type(model)._unsupported[name]
+    value = getattr(model, name)
+    if rule.accepts is not None:
+        ok = rule.accepts(value)
+    else:
+        ok = value == type(model).model_fields[name].get_default(call_default_factory=True)
+    if not ok:
+        key = f"{prefix}.{name}" if prefix else name
+        raise DeepSpeedConfigError(
+            f"Invalid DeepSpeed config: {key}={_shown(value)!r} is not supported by this "
+            f"implementation; {rule.alternative}"
+        )
+
+
+def reject_unsupported(model: BaseModel, prefix: str = "") -> None:
+    """Raise `DeepSpeedConfigError` for the first value, in `model` or a nested section, that
+    its class lists as unsupported; the message names the dotted key, the value and the fix."""
+    rules = getattr(type(model), "_unsupported", {})
+    for name in type(model).model_fields:
+        if name in rules:
+            _check_supported(model, name, prefix)
+        value = getattr(model, name)
+        if isinstance(value, DeepSpeedConfigModel):
+            reject_unsupported(value, f"{prefix}.{name}" if prefix else name)
 
 
 # ----------------------------------------------------------------------------------------

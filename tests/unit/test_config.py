@@ -30,7 +30,9 @@ from deepspeed.runtime.zero.offload_config import (
 )
 
 # The ZeRO-3 config from the HF transformers DeepSpeed guide, with the "auto" entries
-# filled in the way the Trainer fills them.
+# filled in the way the Trainer fills them. The guide offloads the optimizer to the CPU;
+# that is refused until optimizer offload exists (tests/unit/test_config_honesty.py), so
+# here its device is "none", as accelerate writes when offload is off.
 HF_ZERO3 = {
     "fp16": {
         "enabled": True,
@@ -50,7 +52,7 @@ HF_ZERO3 = {
     },
     "zero_optimization": {
         "stage": 3,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_optimizer": {"device": "none"},
         "offload_param": {"device": "cpu", "pin_memory": True},
         "overlap_comm": True,
         "contiguous_gradients": True,
@@ -95,7 +97,7 @@ def test_hf_zero3_config_parses():
     assert z.sub_group_size == 10**9 and isinstance(z.sub_group_size, int)
     assert z.gather_16bit_weights_on_model_save is True
     assert z.offload_param.device == OffloadDeviceEnum.cpu and z.offload_param.pin_memory
-    assert z.offload_optimizer.device == "cpu" and z.offload_optimizer.pin_memory
+    assert z.offload_optimizer.device == "none" and not z.offload_optimizer.pin_memory
     assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 2000
 
 
@@ -173,7 +175,7 @@ def test_accepted_upstream_sections_and_flags():
         "wandb": {"enabled": False},
         "comms_logger": {"enabled": False},
         "aio": {"block_size": 1048576},
-        "checkpoint": {"tag_validation": "Warn", "load_universal": True},
+        "checkpoint": {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": True},
         "data_types": {"grad_accum_dtype": "fp32"},
         "communication_data_type": "FP32",
         "zero_allow_untested_optimizer": True,
@@ -188,7 +190,8 @@ def test_accepted_upstream_sections_and_flags():
     assert cfg.communication_data_type is torch.float32
     assert cfg.zero_allow_untested_optimizer and not cfg.zero_force_ds_cpu_optimizer
     assert cfg.gradient_predivide_factor == 2.0 and cfg.grad_accum_dtype == "fp32"
-    assert cfg.load_universal_checkpoint and cfg.checkpoint_config["tag_validation"] == "Warn"
+    assert not cfg.load_universal_checkpoint and cfg.checkpoint_config["tag_validation"] == "Warn"
+    assert cfg.use_node_local_storage
 
 
 def test_steps_per_print_infinity_from_accelerate():
@@ -250,7 +253,7 @@ def test_json_file_must_hold_an_object(tmp_path):
 
 
 def test_input_dict_not_modified():
-    given = {"train_batch_size": 4, "zero_optimization": {"stage": 3, "cpu_offload": True}}
+    given = {"train_batch_size": 4, "zero_optimization": {"stage": 3, "cpu_offload_param": True}}
     snapshot = copy.deepcopy(given)
     DeepSpeedConfig(given)
     assert given == snapshot
@@ -327,7 +330,7 @@ def test_batch_size_must_be_positive():
         ("stage3_max_live_parameters", "max_live_parameters", 1000),
         ("stage3_max_reuse_distance", "max_reuse_distance", 2000),
         ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", True),
-        ("stage3_module_granularity_threshold", "module_granularity_threshold", 7),
+        ("stage3_module_granularity_threshold", "module_granularity_threshold", 0),
     ],
 )
 def test_stage3_aliases_and_field_names(alias, field, value):
@@ -343,19 +346,21 @@ def test_deprecated_gather_fp16_alias_warns(caplog):
 
 
 def test_deprecated_cpu_offload(caplog):
+    # `cpu_offload: true` still means offload_optimizer on the CPU, which is refused for now.
     with caplog.at_level(logging.WARNING, logger="deepspeed"):
-        z = zero({"stage": 2, "cpu_offload": True})
-    assert isinstance(z.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig)
-    assert z.offload_optimizer.device == OffloadDeviceEnum.cpu
+        with pytest.raises(ValueError, match=r"zero_optimization\.offload_optimizer\.device='cpu'"):
+            zero({"stage": 2, "cpu_offload": True})
     assert "cpu_offload" in caplog.text and "offload_optimizer" in caplog.text
     assert zero({"stage": 2, "cpu_offload": False}).offload_optimizer is None
+    block = zero({"stage": 3, "offload_optimizer": {"device": "none"}}).offload_optimizer
+    assert isinstance(block, DeepSpeedZeroOffloadOptimizerConfig) and block.device == OffloadDeviceEnum.none
 
 
 def test_deprecated_cpu_offload_param_and_pin_memory():
-    z = zero({"stage": 3, "cpu_offload_param": True, "cpu_offload": True, "cpu_offload_use_pin_memory": True})
+    z = zero({"stage": 3, "cpu_offload_param": True, "cpu_offload_use_pin_memory": True})
     assert isinstance(z.offload_param, DeepSpeedZeroOffloadParamConfig)
     assert z.offload_param.device == "cpu" and z.offload_param.pin_memory
-    assert z.offload_optimizer.device == "cpu" and z.offload_optimizer.pin_memory
+    assert z.offload_optimizer is None
 
 
 def test_deprecated_key_conflicting_with_new_key():

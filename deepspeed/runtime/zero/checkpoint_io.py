@@ -67,10 +67,12 @@ _RECOVERY_SCRIPT_TEXT = '''#!/usr/bin/env python
     python zero_to_fp32.py . out_dir --safe_serialization # out_dir/model.safetensors
 """
 
+import sys
+
 from deepspeed.utils.zero_to_fp32 import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())  # non-zero, with the message on stderr, when the checkpoint cannot be read
 '''
 
 

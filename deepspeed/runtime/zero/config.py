@@ -15,6 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from deepspeed.runtime.config_utils import (
     DeepSpeedConfigModel,
     DeprecatedKey,
+    Unsupported,
     logger,
     parse_section,
     reject_auto_values,
@@ -48,6 +49,13 @@ def _cpu_offload_to_block(value: Any) -> Optional[dict[str, Any]]:
 
 _PIN_MEMORY_KEY = "cpu_offload_use_pin_memory"
 
+# Stage-1/2 knobs: every ZeRO stage runs on the stage-3 machinery here (see engine.py).
+_STAGE12 = "a stage-1/2 tuning knob; every stage runs on the stage-3 machinery here, with the same results"
+
+
+def _refuse(what: str, instead: str) -> Unsupported:
+    return Unsupported(f"{what}: not implemented here; {instead}")
+
 
 class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """`zero_optimization`: which ZeRO stage to run and how it buckets, prefetches and offloads."""
@@ -56,6 +64,60 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         "cpu_offload": DeprecatedKey("offload_optimizer", _cpu_offload_to_block, 'Use {"device": "cpu"}.'),
         "cpu_offload_param": DeprecatedKey("offload_param", _cpu_offload_to_block, 'Use {"device": "cpu"}.'),
         "stage3_gather_fp16_weights_on_model_save": DeprecatedKey("gather_16bit_weights_on_model_save"),
+    }
+    _unsupported: ClassVar[dict[str, Unsupported]] = {
+        "load_from_fp32_weights": Unsupported(
+            "a checkpoint load always restores the fp32 master shards and the weights from them; "
+            "remove the key or set it to true"
+        ),
+        "module_granularity_threshold": _refuse(
+            "fetching fine-grained modules as one unit", "remove the key or set it to 0"
+        ),
+        "use_all_reduce_for_fetch_params": _refuse(
+            "fetching parameters by all-reduce", "parameters are all-gathered; set it to false"
+        ),
+        "allgather_sequential": _refuse(
+            "one all-gather per parameter", "parameters are gathered in coalesced buckets; set it to false"
+        ),
+        "ignore_unused_parameters": Unsupported(
+            "parameters without a gradient are always allowed; remove the key or set it to true"
+        ),
+        "legacy_stage1": _refuse("upstream's old stage-1 implementation", "set it to false"),
+        "zero_hpz_partition_size": _refuse("ZeRO++ hierarchical partitioning (hpZ)", "set it to 1"),
+        "zero_quantized_weights": _refuse("ZeRO++ quantized weight all-gather (qwZ)", "set it to false"),
+        "zero_quantized_nontrainable_weights": _refuse(
+            "quantized storage of frozen weights", "set it to false"
+        ),
+        "zero_quantized_gradients": _refuse(
+            "ZeRO++ quantized gradient reduce-scatter (qgZ)", "set it to false"
+        ),
+        "zeropp_loco_param": _refuse("LoCo-ZeRO++", "remove the key"),
+        "mics_shard_size": _refuse(
+            "MiCS sharding groups", "set it to -1 (shard over all data-parallel ranks)"
+        ),
+        "mics_hierarchical_params_gather": _refuse("MiCS hierarchical gathers", "set it to false"),
+        "pipeline_loading_checkpoint": _refuse("pipeline-parallel checkpoint loading", "set it to false"),
+        "log_trace_cache_warnings": _refuse("trace-cache warnings", "set it to false"),
+        "save_muon_momentum_buffer_in_memory": _refuse("Muon NVMe offload options", "set it to false"),
+        "leaf_module": _refuse(
+            "fetching a module's subtree as one unit (leaf modules)",
+            "remove the key; the prefetcher fetches what each module's forward uses",
+        ),
+        "zenflow": _refuse("ZenFlow", "remove the key"),
+    }
+    _no_effect: ClassVar[dict[str, str]] = {
+        "contiguous_gradients": "gradients are always packed into the contiguous bucket they are "
+        "reduce-scattered from, and their shards live in one fp32 buffer per parameter",
+        "reduce_scatter": _STAGE12 + " (gradients are always reduce-scattered)",
+        "use_multi_rank_bucket_allreduce": _STAGE12,
+        "allgather_partitions": _STAGE12,
+        "allgather_bucket_size": _STAGE12 + " (stage3_prefetch_bucket_size bounds gathers)",
+        "elastic_checkpoint": "checkpoints always load on any number of ranks, as if true",
+        "round_robin_gradients": "applies only with offload_optimizer, which is refused",
+        "sub_group_size": "the optimizer step is element-wise over each rank's fp32 shards and needs "
+        "no flat sub-group buffers, so every value gives upstream's results with no buffer to bound",
+        "memory_efficient_linear": "torch's linear already saves only its input for backward, not "
+        "a gathered weight copy, which is what upstream's variant avoids",
     }
 
     stage: ZeroStageEnum = ZeroStageEnum.disabled
@@ -80,7 +142,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Stages 1-2: number of parameter elements all-gathered at once."""
 
     overlap_comm: Optional[bool] = Field(None, validate_default=True)
-    """Overlap gradient reduction with the backward pass. Unset means True for stage 3 only."""
+    """Issue gradient reduce-scatters asynchronously during backward (at most two buckets in
+    flight) and wait for them at the end of backward. Unset means True for stage 3 only."""
 
     load_from_fp32_weights: bool = True
     """On checkpoint load, rebuild 16-bit weights from the fp32 master copy."""
@@ -104,7 +167,9 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Stage 3: parameters with fewer elements stay gathered (not partitioned)."""
 
     model_persistence_threshold: int = Field(sys.maxsize, ge=0, alias="stage3_model_persistence_threshold")
-    """Stage 3: upper bound on the total elements kept gathered by `param_persistence_threshold`."""
+    """Stage 3: upper bound on the total elements kept gathered by `param_persistence_threshold`.
+
+    Small parameters are taken smallest first until the next would pass the bound."""
 
     max_live_parameters: int = Field(int(1e9), ge=0, alias="stage3_max_live_parameters")
     """Stage 3: most parameter elements gathered at once before older ones are released."""
@@ -128,10 +193,10 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Stage 2: do not fail when some parameters receive no gradient."""
 
     legacy_stage1: bool = False
-    """Upstream's old stage-1 implementation; accepted, not acted on."""
+    """Upstream's old stage-1 implementation; true is refused."""
 
     round_robin_gradients: bool = False
-    """Stages 1-2 with CPU offload: spread gradient copies over ranks; accepted, not acted on."""
+    """Stages 1-2 with CPU offload: spread gradient copies over ranks; no effect without offload."""
 
     zero_hpz_partition_size: int = Field(1, ge=0)
     """ZeRO++ hpZ: ranks in the secondary (intra-node) parameter partition group; 1 turns it off."""
@@ -161,7 +226,9 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Stage 3: load checkpoints in pipeline-parallel mode."""
 
     override_module_apply: bool = True
-    """Stage 3: while `zero.Init` is active, `Module.apply` gathers the module's parameters."""
+    """Stage 3: while `zero.Init` is active, `Module.apply` gathers the module's parameters.
+
+    False leaves `Module.apply` unpatched: `fn` then sees partitioned (empty) parameters."""
 
     log_trace_cache_warnings: bool = False
     """Stage 3: log warnings from the parameter-fetch trace cache (e.g. invalidations)."""
@@ -170,13 +237,13 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Run internal consistency checks, e.g. detect edits inside a read-only `GatheredParameters`."""
 
     save_muon_momentum_buffer_in_memory: bool = False
-    """Upstream Muon + NVMe option; accepted, not acted on."""
+    """Upstream Muon + NVMe option; true is refused."""
 
     leaf_module: Optional[dict[str, Any]] = None
     """Stage 3: modules fetched as one unit (upstream ``classes`` / ``names``); free-form."""
 
     zenflow: Optional[dict[str, Any]] = None
-    """Upstream ZenFlow settings; accepted, not acted on."""
+    """Upstream ZenFlow settings; refused unless absent."""
 
     @classmethod
     def valid_keys(cls) -> list[str]:

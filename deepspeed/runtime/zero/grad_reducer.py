@@ -10,11 +10,25 @@ the bucket's gradients contiguously. The result is averaged over ranks and added
 parameter's fp32 gradient shard, which accumulates over micro-steps. `flush()` sends what is
 left at the end of backward. Hooks fire in the same order on every rank (the graph is
 the same), so every rank forms the same buckets.
+
+[Note: overlap_comm]
+With ``zero_optimization.overlap_comm`` (the stage-3 default) a bucket's reduce-scatter is
+issued asynchronously and backward goes on computing while it runs; its result is added to
+the gradient shards when it is waited on. At most `MAX_IN_FLIGHT` buckets are in flight (a
+new one first completes the oldest), so the extra memory is one more bucket's buffers, and
+`flush()` waits on everything, in issue order, so shards accumulate in the same order as the
+synchronous path and the results are bitwise equal.
+
+[Note: gradient scaling around the reduction]
+Upstream's ``prescale_gradients`` and ``gradient_predivide_factor``: with prescaling, each
+rank divides its gradients by the world size before the sum; otherwise it divides by the
+predivide factor `f` before and multiplies by ``f / world_size`` after. Either way the result
+is the average, up to rounding; dividing first keeps fp16 sums from overflowing.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,19 +36,67 @@ import torch.nn.functional as F
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.param_state import ZeroParamState
 
+MAX_IN_FLIGHT = 2  # asynchronous reduce-scatters outstanding at once (see [Note: overlap_comm])
+
+
+class _InFlight:
+    """One issued reduce-scatter: its handle, its buffers, and where the result goes."""
+
+    __slots__ = ("handle", "send", "received", "states", "world")
+
+    def __init__(self, handle: Any, send: torch.Tensor, received: torch.Tensor, states: list, world: int):
+        self.handle = handle
+        self.send = send  # kept alive until the collective finished
+        self.received = received  # 1D [sum of the states' partition sizes]
+        self.states = states
+        self.world = world
+
 
 class GradientReducer:
     """Owns the pending buckets; `grad_shard(state)` returns where a state's reduced slice goes."""
 
     def __init__(
-        self, bucket_elems: int, grad_shard: Callable, comm_dtype: Optional[torch.dtype] = None
+        self,
+        bucket_elems: int,
+        grad_shard: Callable,
+        comm_dtype: Optional[torch.dtype] = None,
+        *,
+        overlap_comm: bool = False,
+        prescale_gradients: bool = False,
+        predivide_factor: float = 1.0,
     ) -> None:
+        if predivide_factor <= 0:
+            raise ValueError(f"gradient_predivide_factor must be positive, got {predivide_factor}")
         self.bucket_elems = max(1, int(bucket_elems))
         self.grad_shard = grad_shard  # state -> fp32 tensor [partition_size] to accumulate into
         self.comm_dtype = comm_dtype  # None: reduce in the gradient's own dtype
+        self.overlap_comm = overlap_comm
+        self.prescale_gradients = prescale_gradients
+        self.predivide_factor = float(predivide_factor)
         self._pending: dict = {}  # (id(group), dtype) -> list of (state, grad)
         self._pending_elems: dict = {}
+        self._in_flight: list = []  # _InFlight, oldest first
         self.reduce_calls = 0  # collectives issued, for tests and benchmarks
+        self.async_calls = 0  # of which asynchronous (overlap_comm)
+
+    @classmethod
+    def from_config(cls, config: Any, grad_shard: Callable) -> GradientReducer:
+        """A reducer set up from a `DeepSpeedConfig`: bucket size, dtype, overlap and scaling."""
+        zero = config.zero_config
+        return cls(
+            zero.reduce_bucket_size,
+            grad_shard,
+            config.communication_data_type,
+            overlap_comm=bool(zero.overlap_comm),
+            prescale_gradients=config.prescale_gradients,
+            predivide_factor=config.gradient_predivide_factor,
+        )
+
+    def _scales(self, world: int) -> tuple:
+        """(before, after) the sum; see [Note: gradient scaling around the reduction]."""
+        if self.prescale_gradients:
+            return 1.0 / world, 1.0
+        return 1.0 / self.predivide_factor, self.predivide_factor / world
 
     def add(self, state: ZeroParamState, grad: torch.Tensor) -> None:
         dtype = self.comm_dtype or grad.dtype
@@ -45,8 +107,14 @@ class GradientReducer:
             self._reduce(key)
 
     def flush(self) -> None:
+        """Reduce what is left and wait for every bucket in flight (the end of backward)."""
         for key in list(self._pending):
             self._reduce(key)
+        self.wait_all()
+
+    def wait_all(self) -> None:
+        while self._in_flight:
+            self._complete(self._in_flight.pop(0))
 
     def _reduce(self, key: tuple) -> None:
         items = self._pending.pop(key)
@@ -63,12 +131,30 @@ class GradientReducer:
             send[:, offset : offset + state.partition_size].copy_(flat.view(world, state.partition_size))
             offset += state.partition_size
         del items, grad, flat  # the full gradients are packed: free them before the collective
+        before, _ = self._scales(world)
+        if before != 1.0:
+            send.mul_(before)
         received = torch.empty(total, dtype=dtype, device=send.device)
-        dist.reduce_scatter_tensor(received, send.view(-1), group=states[0].group, input_reusable=True)
+        if self.overlap_comm:
+            while len(self._in_flight) >= MAX_IN_FLIGHT:
+                self._complete(self._in_flight.pop(0))
+        handle = dist.reduce_scatter_tensor(
+            received, send.view(-1), group=states[0].group, async_op=self.overlap_comm, input_reusable=True
+        )
         self.reduce_calls += 1
+        work = _InFlight(handle, send, received, states, world)
+        if self.overlap_comm:
+            self.async_calls += 1
+            self._in_flight.append(work)
+        else:
+            self._complete(work)
+
+    def _complete(self, work: _InFlight) -> None:
+        work.handle.wait()
+        _, after = self._scales(work.world)
         offset = 0
-        for state in states:
-            piece = received[offset : offset + state.partition_size]
+        for state in work.states:
+            piece = work.received[offset : offset + state.partition_size]
             target = self.grad_shard(state)
-            target.add_(piece.to(device=target.device, dtype=torch.float32), alpha=1.0 / world)
+            target.add_(piece.to(device=target.device, dtype=torch.float32), alpha=after)
             offset += state.partition_size

@@ -5,11 +5,11 @@ Key names and defaults are upstream DeepSpeed's, so existing JSON configs valida
 
 import enum
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 from pydantic import Field, model_validator
 
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel, Unsupported
 
 __all__ = [
     "DeepSpeedZeroOffloadOptimizerConfig",
@@ -37,6 +37,20 @@ class OffloadStateTypeEnum(str, enum.Enum):
     contiguous_grad_buffer = "contiguous_grad_buffer"
 
 
+def _nvme_only(what: str) -> Unsupported:
+    return Unsupported(f"{what} serves NVMe offload, which is not implemented; remove the key")
+
+
+_NO_OPTIMIZER_OFFLOAD = (
+    "optimizer offload is not implemented yet (a ZeRO-3 step keeps optimizer state beside the fp32 "
+    "master shards on the accelerator); remove offload_optimizer or set its device to 'none'"
+)
+
+
+def _optimizer_offload_only(what: str) -> Unsupported:
+    return Unsupported(f"{what} belongs to optimizer offload; " + _NO_OPTIMIZER_OFFLOAD)
+
+
 def _require_nvme_path(device: OffloadDeviceEnum, nvme_path: Optional[Path], block: str) -> None:
     if device == OffloadDeviceEnum.nvme and nvme_path is None:
         raise ValueError(f"{block} device 'nvme' needs 'nvme_path' (a directory on the NVMe drive)")
@@ -45,8 +59,20 @@ def _require_nvme_path(device: OffloadDeviceEnum, nvme_path: Optional[Path], blo
 class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     """`zero_optimization.offload_param`: keep partitioned parameters off the accelerator.
 
-    Valid only with stage 3.
+    Valid only with stage 3. `device` "cpu" and `pin_memory` are acted on by `zero.Init` (which
+    the engine also runs on a model built without it); NVMe is refused.
     """
+
+    _unsupported: ClassVar[dict[str, Unsupported]] = {
+        "device": Unsupported(
+            "NVMe offload is not implemented; use 'cpu' or 'none'",
+            lambda device: device != OffloadDeviceEnum.nvme,
+        ),
+        "nvme_path": _nvme_only("nvme_path"),
+        "buffer_count": _nvme_only("buffer_count"),
+        "buffer_size": _nvme_only("buffer_size"),
+        "max_in_cpu": _nvme_only("max_in_cpu"),
+    }
 
     device: OffloadDeviceEnum = OffloadDeviceEnum.none
     """Where parameter shards live: "none" (the accelerator), "cpu" or "nvme"."""
@@ -75,8 +101,27 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
 class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     """`zero_optimization.offload_optimizer`: keep optimizer state (and its step) on the CPU.
 
-    Valid with stages 1, 2 and 3. The optimizer step runs on the CPU whatever `device` says.
+    Valid with stages 1, 2 and 3 upstream. Not implemented here yet: only ``device: "none"``
+    (the default, what accelerate writes when offload is off) parses.
     """
+
+    _unsupported: ClassVar[dict[str, Unsupported]] = {
+        "device": Unsupported(_NO_OPTIMIZER_OFFLOAD),
+        **{
+            name: _optimizer_offload_only(name)
+            for name in (
+                "nvme_path",
+                "buffer_count",
+                "pin_memory",
+                "pipeline_read",
+                "pipeline_write",
+                "fast_init",
+                "ratio",
+                "super_offload",
+                "cpuadam_cores_perc",
+            )
+        },
+    }
 
     device: OffloadDeviceEnum = OffloadDeviceEnum.none
     """Where optimizer state lives: "none" (the accelerator), "cpu" or "nvme"."""
@@ -103,10 +148,10 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     """Fraction of optimizer state offloaded; below 1.0 needs stage 3 (partial offload)."""
 
     super_offload: bool = False
-    """Upstream's SuperOffload mode for superchips; accepted, not acted on here."""
+    """Upstream's SuperOffload mode for superchips."""
 
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
-    """Upstream SuperOffload: fraction of CPU cores given to CPU Adam; accepted, not acted on."""
+    """Upstream SuperOffload: fraction of CPU cores given to CPU Adam."""
 
     @property
     def pipeline(self) -> bool:

@@ -120,11 +120,11 @@ def _offload_from_config(cfg: dict, pin_memory: bool) -> tuple:
     return None, pin_memory
 
 
-def _sanity_checks_from_config(cfg: dict) -> bool:
+def _zero_section(cfg: dict) -> Any:
     # strict=False: HF enters Init before it resolves the config's "auto" values.
     from deepspeed.runtime.zero.config import get_zero_config
 
-    return bool(get_zero_config(cfg, strict=False).enable_sanity_checks)
+    return get_zero_config(cfg, strict=False)
 
 
 class _InitSettings:
@@ -139,6 +139,7 @@ class _InitSettings:
     rank: int
     sanity_checks: bool
 
+    override_module_apply: bool  # False: leave nn.Module.apply unpatched
     def __init__(self, init: Init) -> None:
         from deepspeed.accelerator import get_accelerator
 
@@ -152,6 +153,7 @@ class _InitSettings:
         self.rank = dist.get_rank(init.group)
         self.sanity_checks = init.sanity_checks
 
+        self.override_module_apply = init.override_module_apply
 
 # ============================================================================ the Init stack
 
@@ -203,9 +205,11 @@ class _InitStack:
                 PATCHES.remove_all()
                 return
             if not PATCHES.modules.installed:
-                PATCHES.modules.install(_convert_built_module, _gathered_apply)
+                PATCHES.modules.install(_convert_built_module, None)
                 IN_PLACE_INIT.hook = _gathered_in_place
             # Looked up by name at each start: a client may have swapped the wrapper.
+            # The innermost Init's `override_module_apply` decides, like its dtype.
+            PATCHES.modules.set_apply_hook(_gathered_apply if settings.override_module_apply else None)
             PATCHES.factories.bind(globals()["zero_wrapper_for_fp_tensor_constructor"], settings.dtype)
         except BaseException:
             IN_PLACE_INIT.hook = None
@@ -372,7 +376,9 @@ class Init:
         self.dtype = dtype if dtype is not None else _dtype_from_config(cfg)
         self.remote_device = remote_device
         self.pin_memory = pin_memory
-        self.sanity_checks = _sanity_checks_from_config(cfg) if enabled else False
+        zero = _zero_section(cfg) if enabled else None
+        self.sanity_checks = bool(zero.enable_sanity_checks) if zero is not None else False
+        self.override_module_apply = bool(zero.override_module_apply) if zero is not None else True
         self.group = self._choose_group(data_parallel_group, mpu, sequence_data_parallel_group)
         self._tracker = LifecycleTracker(self, self._describe())
         if module is not None and enabled:

@@ -4,7 +4,8 @@ While a `zero.Init` is active, three kinds of patch are in force:
 - every `nn.Module` subclass's own `__init__` is wrapped, so that when the most-derived
   `__init__` of a module returns, a hook converts that module's own parameters;
   `nn.Module.__init_subclass__` wraps classes defined while the patch is in force;
-- `nn.Module.apply` is replaced by a hook (Init gathers each module around the function);
+- `nn.Module.apply` is replaced by a hook (Init gathers each module around the function),
+  unless the innermost Init's config says ``override_module_apply: false``;
 - tensor factories (`torch.empty`, `zeros`, ...) are replaced by wrapped originals that
   default the device and cast floating results to the Init dtype.
 
@@ -87,8 +88,11 @@ class ModulePatches:
         self._had_init_subclass = False
         self._orig_init_subclass = None
 
-    def install(self, on_module_built: Callable, apply_hook: Callable) -> None:
-        """Patch every module class; `on_module_built(module)` runs after its outermost __init__."""
+    def install(self, on_module_built: Callable, apply_hook: Optional[Callable]) -> None:
+        """Patch every module class; `on_module_built(module)` runs after its outermost __init__.
+
+        `apply_hook` replaces `nn.Module.apply`; None leaves it alone (see `set_apply_hook`).
+        """
         assert not self.installed, "module patches are already installed"
         self._on_built = on_module_built
         self.installed = True  # set first: remove() must undo a half-done install
@@ -103,7 +107,12 @@ class ModulePatches:
             patches._wrap_class(cls)
 
         nn.Module.__init_subclass__ = classmethod(__init_subclass__)
-        nn.Module.apply = apply_hook
+        self.set_apply_hook(apply_hook)
+
+    def set_apply_hook(self, apply_hook: Optional[Callable]) -> None:
+        """Replace `nn.Module.apply` by `apply_hook`, or restore torch's when it is None."""
+        assert self.installed, "set_apply_hook() needs the module patches installed"
+        nn.Module.apply = apply_hook if apply_hook is not None else _orig_module_apply
 
     def _wrap_class(self, cls: type) -> None:
         if cls in self._originals:
