@@ -124,6 +124,10 @@ class CheckpointMixin:
         `client_state` is returned by `load_checkpoint`. Returns True.
         """
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        if self.optimizer is not None:
+            # An edit written back since the last step is in the shard, not yet in a 16-bit
+            # training's fp32 master, which is what the files (and zero_to_fp32) hold.
+            self.optimizer.refresh_edited_masters()
         header = self._save_header(tag)  # collective: before anything that can fail on one rank
         ckpt_dir = os.path.join(save_dir, tag)
         _on_all_ranks(
@@ -425,6 +429,7 @@ class CheckpointMixin:
                 continue
             master.data.copy_(weights)
             state.shard.copy_(master.data)  # as the optimizer's write-back casts it
+            self.optimizer.mark_master_current(state)  # an edit made before the load is gone
             if load_optim:
                 saved = ckpt.resharded_optimizer_state(name, state.world_size, state.rank)
                 group = group_of[id(master)]

@@ -254,7 +254,7 @@ def flat_slice(shards: Sequence[torch.Tensor], partition_size: int, start: int, 
         pieces.append(shards[k].reshape(-1)[offset : offset + take])
         pos += take
     if not pieces:
-        return torch.empty(0, dtype=shards[0].dtype)
+        return torch.empty(0, dtype=shards[0].dtype, device=shards[0].device)
     return torch.cat(pieces)
 
 
@@ -263,7 +263,7 @@ def reshard(
 ) -> torch.Tensor:
     """Rank `rank`'s shard for `world_size` ranks, cut from shards saved on `len(shards)` ranks."""
     new_size, _ = shard_sizes(numel, world_size)
-    out = torch.zeros(new_size, dtype=shards[0].dtype)
+    out = torch.zeros(new_size, dtype=shards[0].dtype, device=shards[0].device)
     start = min(rank * new_size, numel)
     end = min(start + new_size, numel)
     if end > start:

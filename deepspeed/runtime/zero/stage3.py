@@ -8,8 +8,16 @@ after the step, as `zero_grad(set_to_none=True)` does in torch). The wrapped tor
 state (Adam moments) is sharded too. After a step the masters are cast back into the
 parameters' shards; parameters that stay gathered are then re-gathered.
 
-A client optimizer keeps its identity (and any scheduler built on it): its param groups'
-`params` are swapped from the model's parameters to the masters, and its state is reset.
+[Note: whose param groups train]
+As upstream: a client optimizer *instance* decides what trains. Its param groups, with their
+own lr, weight decay and other hyperparameters, are the groups; `model_parameters` is then
+ignored. It keeps its identity (and any scheduler built on it): each group's `params` are
+swapped in place from the model's (partitioned) parameters to their masters, and its state
+is reset. A callable optimizer, or the config's `optimizer` block, is built on the groups of
+`model_parameters` (default: every parameter of the module). Frozen parameters
+(`requires_grad=False`) get no master. A trainable parameter that no group holds gets no
+master either: the engine frees its gradient once computed (a kept, full `.grad` would grow
+every step) and warns at initialize, naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch
 from torch import nn
 
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 from deepspeed.runtime.zero.param_state import ZeroParamState, is_zero_param
 
@@ -57,6 +66,13 @@ def build_config_optimizer(name: str, params: dict, groups: list) -> torch.optim
     )
 
 
+def is_optimizer_instance(obj: Any) -> bool:
+    """A built optimizer (its groups decide what trains), as opposed to a callable that builds one."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return True
+    return hasattr(obj, "param_groups") and hasattr(obj, "step") and not callable(obj)
+
+
 def _param_groups(module: nn.Module, model_parameters: Any) -> list:
     """Groups as dicts with `params` lists, from `model_parameters` or the module's parameters."""
     source = list(model_parameters) if model_parameters is not None else list(module.parameters())
@@ -81,7 +97,11 @@ class ZeroStage3Optimizer:
         self.masters: dict = {}  # ds_id -> fp32 master nn.Parameter [partition_size]
         self._master_versions: dict = {}  # ds_id -> the shard_version the master reflects
         self.states: list = []  # trainable ZeroParamStates, in parameter order
-        groups = self._master_groups(_param_groups(module, model_parameters), master_device)
+        if is_optimizer_instance(client_optimizer):
+            source = client_optimizer.param_groups  # [Note: whose param groups train]
+        else:
+            source = _param_groups(module, model_parameters)
+        groups = self._master_groups(module, source, master_device)
         self.optimizer = self._wrap_optimizer(client_optimizer, groups)
         self.loss_scaler = CreateLossScaler(
             torch.float16 if config.fp16_enabled else torch.float32,
@@ -95,15 +115,18 @@ class ZeroStage3Optimizer:
 
     # ------------------------------------------------------------------ set-up
 
-    def _master_groups(self, groups: list, master_device: Optional[torch.device]) -> list:
+    def _master_groups(self, module: nn.Module, groups: list, master_device: Optional[torch.device]) -> list:
+        ours = {id(p) for p in module.parameters()}
         seen: set = set()
         out = []
-        for group in groups:
+        for index, group in enumerate(groups):
             masters = []
             for p in group["params"]:
-                if not is_zero_param(p):
+                if id(p) not in ours or not is_zero_param(p):
                     raise ValueError(
-                        f"optimizer parameter {p.shape} is not a ZeRO-3 parameter; build the engine first"
+                        f"optimizer param group {index} holds a tensor of shape {tuple(p.shape)} that is not a "
+                        "parameter of the model passed to deepspeed.initialize; build the optimizer on the "
+                        "model's parameters"
                     )
                 if not p.requires_grad or p.ds_id in seen:
                     continue
@@ -130,13 +153,14 @@ class ZeroStage3Optimizer:
     def _wrap_optimizer(self, client: Any, groups: list) -> torch.optim.Optimizer:
         if client is None:
             return build_config_optimizer(self.config.optimizer_name, self.config.optimizer_params, groups)
-        if callable(client) and not isinstance(client, torch.optim.Optimizer):
+        if not is_optimizer_instance(client):
+            if not callable(client):
+                raise TypeError(
+                    f"deepspeed.initialize: optimizer must be a torch optimizer or a callable that builds "
+                    f"one from param groups, got {type(client).__name__}"
+                )
             return client(groups)  # upstream accepts a callable that builds the optimizer
-        if len(client.param_groups) != len(groups):
-            raise ValueError(
-                f"the client optimizer has {len(client.param_groups)} param groups but model_parameters "
-                f"gives {len(groups)}; build it on the same groups"
-            )
+        # The groups were read from the client itself: swap in the masters, in place.
         for target, group in zip(client.param_groups, groups):
             target["params"] = group["params"]
         client.state.clear()
@@ -175,19 +199,25 @@ class ZeroStage3Optimizer:
             elif master.grad is not None:
                 master.grad.zero_()
 
+    def untrained(self, module: nn.Module) -> list:
+        """Names of `module`'s trainable parameters that no optimizer group holds."""
+        return [n for n, p in module.named_parameters() if p.requires_grad and p.ds_id not in self.masters]
+
     def _grads(self) -> list:
         return [m.grad for m in self.masters.values() if m.grad is not None]
 
     def _global_norm_of_scaled_grads(self) -> float:
         """The L2 norm over every rank's gradient shards (inf or nan when any overflowed).
 
-        One fused per-tensor norm and one all-reduce; padding elements are zeros.
+        One fused per-tensor norm and one all-reduce, on the communication device (an NCCL
+        group rejects a CPU tensor; masters may live on the CPU); padding elements are zeros.
         """
         grads = self._grads()
-        local = torch.zeros(1, dtype=torch.float64)
+        comm_device = torch.device(get_accelerator().current_device_name())
+        local = torch.zeros(1, dtype=torch.float64, device=comm_device)
         if grads:
             norms = torch._foreach_norm(grads)
-            local += torch.stack(norms).double().pow(2).sum().cpu()
+            local += torch.stack([n.to(comm_device) for n in norms]).double().pow(2).sum()
         dist.all_reduce(local, group=self.group)
         return math.sqrt(local.item()) if math.isfinite(local.item()) else float("inf")
 
@@ -207,21 +237,30 @@ class ZeroStage3Optimizer:
             factor *= self.clip / (norm + 1e-6)
         if factor != 1.0:
             torch._foreach_mul_(self._grads(), factor)
-        self._refresh_edited_masters()
+        self.refresh_edited_masters()
         self.optimizer.step()
         self._write_back_masters()
         self.loss_scaler.update_scale(False)
         return True
 
     @torch.no_grad()
-    def _refresh_edited_masters(self) -> None:
-        """Masters of shards edited since the last step (GatheredParameters with modifier_rank)."""
+    def refresh_edited_masters(self) -> None:
+        """Copy shards edited since the last step or load into their masters (local, no collective).
+
+        A `GatheredParameters(modifier_rank=...)` edit lands in the shard; a bf16/fp16 master
+        (a separate copy) would still hold the old value. Every reader of the masters calls
+        this first: `step()`, and `save_checkpoint` (whose files zero_to_fp32 reads).
+        """
         for state in self.states:
             if state.shard_version != self._master_versions[state.ds_id]:
                 master = self.masters[state.ds_id]
                 if master.data_ptr() != state.shard.data_ptr():
                     master.data.copy_(state.shard)
                 self._master_versions[state.ds_id] = state.shard_version
+
+    def mark_master_current(self, state: ZeroParamState) -> None:
+        """`state`'s master and shard were just set together (a load): no edit is pending."""
+        self._master_versions[state.ds_id] = state.shard_version
 
     @torch.no_grad()
     def _write_back_masters(self) -> None:

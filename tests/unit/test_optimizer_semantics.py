@@ -1,0 +1,274 @@
+"""Which parameters train, with which hyperparameters; stale masters at save; collective devices.
+
+Each case trains under ZeRO-3 and as plain PyTorch from the same seed (the reference takes
+the whole global batch, which equals averaging each rank's micro-batch gradients), then
+compares the losses (rtol 1e-5) and the gathered parameters (abs 5e-5) in fp32. SGD with
+momentum keeps the comparison meaningful (Adam turns rounding noise into lr-sized steps).
+"""
+
+import logging
+
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import zero_to_fp32
+from deepspeed.utils.logging import logger as ds_logger
+from tests.unit.common import DistributedTest
+from tests.unit.common import world_size as run_on
+from tests.unit.test_engine import GLOBAL_BATCH, TinyLM, batches, gathered_params, my_slice
+
+LR, MOMENTUM = 0.1, 0.9
+
+
+def base_config(**extra):
+    cfg = {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 300},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def build(seed=42):
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def decay_groups(model, decay_lr=0.05, plain_lr=0.2):
+    """Two groups as HF Trainer builds them: weights decay, biases and norms do not."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
+    plain = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "norm" not in n)]
+    return [
+        {"params": decay, "weight_decay": 0.1, "lr": decay_lr},
+        {"params": plain, "weight_decay": 0.0, "lr": plain_lr},
+    ]
+
+
+def train(engine, data):
+    losses = []
+    for ids, labels in data:
+        loss = engine(my_slice(ids), my_slice(labels))
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    return losses
+
+
+def train_reference(model, opt, data, scheduler=None):
+    losses = []
+    for ids, labels in data:
+        loss = model(ids, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_parity(model, losses, reference, ref_losses):
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    got = gathered_params(model)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=5e-5, msg=name)
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+class TestOptimizerSemantics(DistributedTest):
+    world_size = [1, 2]
+
+    def test_client_optimizer_on_a_subset_trains_exactly_it(self):
+        data = batches(4, seed=21)
+        reference = build()
+        ref_losses = train_reference(
+            reference, torch.optim.SGD(reference.head.parameters(), lr=LR, momentum=MOMENTUM), data
+        )
+        model = build()
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        client = torch.optim.SGD(model.head.parameters(), lr=LR, momentum=MOMENTUM)
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client, config=base_config())
+        assert optimizer.optimizer is client
+        head_ids = {p.ds_id for p in model.head.parameters()}
+        assert set(optimizer.masters) == head_ids
+        assert_parity(model, train(engine, data), reference, ref_losses)
+        got = gathered_params(model)
+        for name, p in model.named_parameters():
+            if p.ds_id not in head_ids:
+                assert torch.equal(got[name], initial[name]), f"{name} trained but is in no param group"
+        # hyperparameters changed through engine.optimizer take effect at the next step
+        for group in engine.optimizer.param_groups:
+            group["lr"] = 0.0
+            group["momentum"] = 0.0
+        before = gathered_params(model)
+        train(engine, data[:1])
+        after = gathered_params(model)
+        assert all(torch.equal(before[n], after[n]) for n in before)
+
+    def test_two_param_groups_with_their_own_hyperparameters_and_scheduler(self):
+        data = batches(4, seed=22)
+
+        def halve(step):
+            return 0.5**step
+
+        reference = build()
+        ref_opt = torch.optim.SGD(decay_groups(reference), lr=LR, momentum=MOMENTUM)
+        ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, halve)
+        ref_losses = train_reference(reference, ref_opt, data, ref_sched)
+        model = build()
+        client = torch.optim.SGD(decay_groups(model), lr=LR, momentum=MOMENTUM)
+        sched = torch.optim.lr_scheduler.LambdaLR(client, halve)  # built on the client, before initialize
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=client,
+            lr_scheduler=sched,
+            model_parameters=model.head.parameters(),  # ignored: the client's groups decide
+            config=base_config(),
+        )
+        assert optimizer.optimizer is client and scheduler is sched
+        assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+        assert len(optimizer.masters) == len(list(model.parameters()))
+        assert_parity(model, train(engine, data), reference, ref_losses)
+        assert engine.get_lr() == [g["lr"] for g in ref_opt.param_groups]
+
+    def test_callable_optimizer_gets_model_parameters_groups(self):
+        data = batches(3, seed=23)
+        reference = build()
+        ref_losses = train_reference(
+            reference, torch.optim.SGD(decay_groups(reference), lr=LR, momentum=MOMENTUM), data
+        )
+        model = build()
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=lambda groups: torch.optim.SGD(groups, lr=LR, momentum=MOMENTUM),
+            model_parameters=decay_groups(model),
+            config=base_config(),
+        )
+        assert [g["lr"] for g in optimizer.param_groups] == [0.05, 0.2]
+        assert_parity(model, train(engine, data), reference, ref_losses)
+
+    def test_trainable_parameters_in_no_group_keep_no_gradient(self):
+        handler = _Warnings()
+        ds_logger.addHandler(handler)
+        try:
+            model = build()
+            cfg = base_config(optimizer={"type": "SGD", "params": {"lr": LR}})
+            engine, optimizer, _, _ = deepspeed.initialize(
+                model=model, model_parameters=model.head.parameters(), config=cfg
+            )
+        finally:
+            ds_logger.removeHandler(handler)
+        head_ids = {p.ds_id for p in model.head.parameters()}
+        assert set(optimizer.masters) == head_ids
+        train(engine, batches(3, seed=24))
+        for name, p in model.named_parameters():
+            assert p.grad is None, f"{name} keeps a .grad of {tuple(p.grad.shape)}"
+        if dist.get_rank() == 0:
+            named = [m for m in handler.messages if "embed.weight" in m and "requires_grad=False" in m]
+            assert len(named) == 1, handler.messages
+            assert "head.weight" not in named[0]
+
+    @run_on(2)
+    def test_bf16_edit_then_save_without_step(self, tmp_path):
+        """Checkpoint, 16-bit export and zero_to_fp32 all contain an edit made after the last step."""
+        cfg = base_config(
+            bf16={"enabled": True},
+            optimizer={"type": "SGD", "params": {"lr": 0.0}},
+            zero_optimization={
+                "stage": 3,
+                "stage3_param_persistence_threshold": 0,
+                "stage3_gather_16bit_weights_on_model_save": True,
+            },
+        )
+        engine, _, _, _ = deepspeed.initialize(model=build(), config=cfg)
+        train(engine, batches(1, seed=25))
+        head = engine.module.head
+        with deepspeed.zero.GatheredParameters(head.weight, modifier_rank=0):
+            head.weight.data.fill_(0.5)
+        save_dir = str(tmp_path / "ckpt")
+        engine.save_checkpoint(save_dir, tag="edited")
+        engine.save_16bit_model(str(tmp_path / "export"))
+        dist.barrier()
+        exported = torch.load(str(tmp_path / "export" / "pytorch_model.bin"), weights_only=True)
+        fp32 = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="edited")
+        assert torch.all(exported["head.weight"] == 0.5)
+        assert torch.all(fp32["head.weight"] == 0.5)
+        for name, value in exported.items():
+            assert torch.equal(fp32[name].to(value.dtype), value), name
+
+        fresh, _, _, _ = deepspeed.initialize(model=build(seed=1), config=cfg)
+        fresh.load_checkpoint(save_dir, tag="edited")
+        loaded = gathered_params(fresh.module)
+        assert all(torch.equal(loaded[n], fp32[n]) for n in loaded)
+        train(fresh, batches(1, seed=26))  # lr 0: the step keeps the loaded masters
+        assert torch.equal(gathered_params(fresh.module)["head.weight"], fp32["head.weight"])
+
+    @run_on(2)
+    def test_every_collective_tensor_is_on_the_communication_device(self, monkeypatch, tmp_path):
+        """Train, save and load, recording each tensor handed to a collective.
+
+        On a CPU machine every tensor is on the CPU, so a tensor that skipped its move to the
+        communication device would pass unseen. The default device is set to `meta` while
+        the engine runs: a tensor the code did not place explicitly lands there and is caught
+        (an NCCL group rejects such a tensor in the same way).
+        """
+        expected = torch.device(get_accelerator().current_device_name())
+        seen = []
+
+        def recording(name, original):
+            def call(*args, **kwargs):
+                values = list(args) + list(kwargs.values())
+                tensors = [a for a in values if torch.is_tensor(a)]
+                tensors += [
+                    t for a in values if isinstance(a, (list, tuple)) for t in a if torch.is_tensor(t)
+                ]
+                for t in tensors:
+                    assert t.device == expected, f"{name} got a tensor on {t.device}, not on {expected}"
+                seen.append(name)
+                return original(*args, **kwargs)
+
+            return call
+
+        for name in (
+            "all_reduce",
+            "broadcast",
+            "reduce",
+            "all_gather",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+        ):
+            monkeypatch.setattr(deepspeed.comm, name, recording(name, getattr(deepspeed.comm, name)))
+        cfg = base_config(
+            optimizer={"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
+            gradient_clipping=0.5,
+            zero_optimization={
+                "stage": 3,
+                "stage3_param_persistence_threshold": 50,
+                "stage3_gather_16bit_weights_on_model_save": True,
+            },
+        )
+        model = build()
+        ids, labels = batches(1, seed=27)[0]
+        with torch.device("meta"):
+            engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)
+            for _ in range(2):
+                engine.backward(engine(my_slice(ids), my_slice(labels)))
+                engine.step()
+            with deepspeed.zero.GatheredParameters(model.head.weight, modifier_rank=0):
+                model.head.weight.data.mul_(0.5)
+            engine.save_checkpoint(str(tmp_path / "ckpt"))
+            engine.load_checkpoint(str(tmp_path / "ckpt"))
+            engine.save_16bit_model(str(tmp_path / "export"))
+        assert {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"} <= set(seen)
