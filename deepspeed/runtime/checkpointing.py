@@ -124,6 +124,7 @@ class CheckpointMixin:
         `client_state` is returned by `load_checkpoint`. Returns True.
         """
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        self._settle_live_gathers()  # a live modifier gather's edits go into the shards first
         if self.optimizer is not None:
             # An edit written back since the last step is in the shard, not yet in a 16-bit
             # training's fp32 master, which is what the files (and zero_to_fp32) hold.

@@ -19,11 +19,12 @@ from torch import nn
 from deepspeed import comm as dist
 from deepspeed.runtime.checkpointing import CheckpointMixin
 from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.forward_prologue import forward_prologue
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
-from deepspeed.runtime.zero.param_state import is_zero_param
-from deepspeed.runtime.zero.partition_parameters import Init
+from deepspeed.runtime.zero.param_state import ZeroParamStatus, is_zero_param
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters, Init, cast_partitioned
 from deepspeed.runtime.zero.stage3 import ZeroStage3Optimizer
 from deepspeed.utils.logging import logger
 
@@ -67,7 +68,10 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self.coordinator = ParameterCoordinator(
             model, zero.prefetch_bucket_size, zero.max_live_parameters, zero.max_reuse_distance
         )
-        self.persistent = persistent_states(model, zero.param_persistence_threshold)
+        self.zero_states = gather.zero_states(model.parameters())  # every ZeRO parameter, by ds_id
+        self.persistent = persistent_states(
+            model, zero.param_persistence_threshold, zero.model_persistence_threshold
+        )
         mark_persistent(self.persistent)
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -86,15 +90,45 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         if plain:
             # A model not built under zero.Init: partition it now, in the training dtype.
             Init(module=self.module, dtype=self.dtype, config_dict_or_path=self._config._param_dict)
+        cast_partitioned(self.module, self.dtype)  # parts built under an Init of another dtype
         device = torch.device(get_accelerator().current_device_name())
-        for name, buf in self.module.named_buffers():
+        for buf in self.module.buffers():
             target = self.dtype if buf.is_floating_point() else buf.dtype
-            self._set_buffer(name, buf.to(device=device, dtype=target))
+            # In place, so every alias of the buffer (tied, or held by user code) follows.
+            buf.data = buf.data.to(device=device, dtype=target)
 
-    def _set_buffer(self, qualified: str, value: torch.Tensor) -> None:
-        owner_name, _, leaf = qualified.rpartition(".")
-        owner = self.module.get_submodule(owner_name) if owner_name else self.module
-        owner._buffers[leaf] = value
+    def _settle_live_gathers(self) -> None:
+        """Before a step or a save: refuse pass holds, settle live gathers.
+
+        Between passes no submodule may hold parameters (see hooks.py's note); one that does
+        would keep a tensor the step makes stale. A live `GatheredParameters` with a
+        `modifier_rank` writes its edits back first, so the step (or the checkpoint) starts
+        from them. With `zero_optimization.enable_sanity_checks`, a non-persistent parameter
+        that is gathered with no owner at all is an error too: nothing would ever free it.
+        """
+        leaked = self.coordinator.pass_holds()
+        if leaked:
+            raise RuntimeError(
+                f"engine.step() or save_checkpoint() was called while {leaked} still hold parameters; "
+                "call them after backward() returns, not inside a forward or backward"
+            )
+        if self._config.zero_config.enable_sanity_checks:
+            orphans = [
+                s.ds_id
+                for s in self.zero_states
+                if s.status is not ZeroParamStatus.NOT_AVAILABLE and not s.holds and not s.persist
+            ]
+            if orphans:
+                raise RuntimeError(
+                    f"[rank {dist.get_rank()}] parameters ds_id={orphans} are gathered with no holder"
+                )
+        writers: dict = {}
+        for state in self.zero_states:
+            for owner in state.holds:
+                if isinstance(owner, GatheredParameters) and owner.modifier_rank is not None:
+                    writers.setdefault(id(owner), owner)  # in ds_id order: the same on every rank
+        for owner in writers.values():
+            owner.write_back_edits()
 
     def _build_optimizer(self, client: Any, model_parameters: Any) -> Optional[ZeroStage3Optimizer]:
         if client is None and self._config.optimizer_name is None:
@@ -122,29 +156,40 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         return DeepSpeedDataLoader(training_data, self.train_micro_batch_size_per_gpu(), collate_fn)
 
     def _install_grad_hooks(self) -> list:
-        zero = self._config.zero_config
-        comm_dtype = self._config.communication_data_type
-        self.reducer = GradientReducer(zero.reduce_bucket_size, self.optimizer.grad_shard, comm_dtype)
+        self.reducer = GradientReducer.from_config(self._config, self.optimizer.grad_shard)
         handles = []
         for state in self.optimizer.states:
             handles.append(state.param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        untrained = self.optimizer.untrained(self.module)
+        if untrained and dist.get_rank() == 0:
+            # [Note: whose param groups train] in stage3.py: their gradients are dropped.
+            logger.warning(
+                f"{len(untrained)} trainable parameter(s) are in no optimizer param group, so they do not "
+                f"train and their gradients are freed once computed: {', '.join(untrained)}. Set "
+                "requires_grad=False on them (which also saves computing those gradients), or add them "
+                "to the optimizer's param groups"
+            )
+        dropped = set(untrained)
+        for name, param in self.module.named_parameters():
+            if name in dropped:
+                handles.append(param.register_post_accumulate_grad_hook(self._drop_grad))
         return handles
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         grad, param.grad = param.grad, None  # the full gradient lives only until it is packed
         self.reducer.add(param._zero_state, grad)
 
+    @staticmethod
+    def _drop_grad(param: nn.Parameter) -> None:
+        param.grad = None  # a trainable parameter no optimizer group holds (warned at initialize)
+
     # ------------------------------------------------------------------ training
 
     def forward(self, *args, **kwargs):
-        self.coordinator.activate()
-        try:
-            output = self.module(*args, **kwargs)
-        finally:
-            self.coordinator.deactivate()
-        if not torch.is_grad_enabled() or self.optimizer is None:
-            self.coordinator.end_pass()  # no backward will close this pass
-        return output
+        args, kwargs = forward_prologue(self, args, kwargs)  # fp16.auto_cast, steps_per_print
+        # The module's own hooks gather, release and mark where a pass starts and ends, so a
+        # direct call of the module (generate, an eval loop) behaves the same (see hooks.py).
+        return self.module(*args, **kwargs)
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
@@ -177,8 +222,11 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 "engine.step() needs an optimizer; pass one to deepspeed.initialize or the config"
             )
         if self.is_gradient_accumulation_boundary():
+            self._settle_live_gathers()
             stepped = self.optimizer.step()
-            gather.refresh_gathered(self.persistent)
+            # Whatever stays gathered across the step (persistent parameters, a live
+            # GatheredParameters) is re-gathered, so no gathered tensor keeps old values.
+            gather.refresh_gathered(self.zero_states)
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.optimizer.zero_grad()

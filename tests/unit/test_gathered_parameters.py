@@ -11,6 +11,7 @@ import deepspeed
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.param_state import ZeroParamStatus
 from tests.unit.common import DistributedTest
+from tests.unit.common import world_size as run_at
 
 VOCAB, NEW_VOCAB, HIDDEN = 13, 17, 6
 
@@ -152,7 +153,7 @@ class TestGatherMechanics(DistributedTest):
         assert layer.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
         assert layer.weight._zero_state.holders == 0
         (weight,) = full_copy(layer.weight)
-        assert torch.all(weight == 3.0)  # stop() ran its collectives before propagating
+        assert not torch.any(weight == 3.0)  # a body that raised commits no edit (stop's note)
 
         gather = deepspeed.zero.GatheredParameters(layer.weight).start()
         try:
@@ -160,6 +161,31 @@ class TestGatherMechanics(DistributedTest):
         except KeyError:
             gather.stop()
         assert layer.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+
+    @run_at(2)
+    def test_body_raising_on_one_rank_raises_on_every_rank(self):
+        with deepspeed.zero.Init():
+            layer = nn.Linear(4, 4)
+        (before,) = full_copy(layer.weight)
+        with pytest.raises((ZeroDivisionError, RuntimeError)) as caught:
+            with deepspeed.zero.GatheredParameters(layer.weight, modifier_rank=0):
+                layer.weight.data.fill_(3.0)
+                if dist.get_rank() == 1:
+                    raise ZeroDivisionError("only here")
+        if dist.get_rank() == 1:
+            assert caught.type is ZeroDivisionError
+        else:
+            assert caught.type is RuntimeError and "rank(s) [1]" in str(caught.value)
+        (after,) = full_copy(layer.weight)  # the ranks are still in step: this gather works
+        assert torch.equal(after, before) and layer.weight._zero_state.holders == 0
+        # An exception already being handled around start()/stop() is not the body's.
+        try:
+            raise KeyError("handled outside")
+        except KeyError:
+            with deepspeed.zero.GatheredParameters(layer.weight, modifier_rank=0):
+                layer.weight.data.fill_(5.0)
+        (edited,) = full_copy(layer.weight)
+        assert torch.all(edited == 5.0)
 
     def test_restart_and_discarded_edits(self):
         with deepspeed.zero.Init():

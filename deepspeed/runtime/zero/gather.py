@@ -1,12 +1,17 @@
 """The one gather/release path for ZeRO-3 parameters, shared by GatheredParameters and the engine.
 
-[Note: why release is refcounted]
+[Note: why release is refcounted, and why every hold has an owner]
 A parameter can be wanted by several holders at once: two overlapping GatheredParameters
 blocks, a GatheredParameters around a forward pass, the engine's hooks for each submodule
-that uses it. Each holder calls `fetch()` once and `release()` once. `fetch()` takes a hold
-and gathers only parameters that are not yet gathered or in flight; `release()` drops the
-hold, and the last holder frees the gathered tensor. Writing changes back is per holder: a
-holder that modified the tensor (`has_been_updated=True`, or a broadcast from a modifier
+that uses it. Each holder is an owner object (the GatheredParameters, one submodule's
+forward or backward, the prefetcher, `param.all_gather()`) that calls `fetch_states()` and
+`release_states()` once each, naming itself. `fetch_states()` takes a hold and gathers only
+parameters that are not yet gathered or in flight; `release_states()` drops that owner's
+hold, and the last holder frees the gathered tensor. Because holds are named, a release by
+an owner that holds nothing is an error rather than a silently dropped hold of someone
+else's, a leaked hold can be traced to its owner (`ds_summary()["held_by"]`), and the
+engine can find the gathers that are live at `step()`. Writing changes back is per holder:
+a holder that modified the tensor (`has_been_updated=True`, or a broadcast from a modifier
 rank) copies its slice into the shard when it releases, even if others still hold it.
 
 [Note: coalescing]
@@ -151,10 +156,20 @@ class GatherHandle:
         return all(b.done for b in self._buckets)
 
 
-def fetch_states(states: list, async_op: bool = False) -> GatherHandle:
-    """Take a hold on each state and gather those not available (see both notes above)."""
+class _ApiHolds:
+    """The owner of holds taken by `param.all_gather()`, which `param.partition()` drops."""
+
+    def __repr__(self) -> str:
+        return "param.all_gather()"
+
+
+PARAM_API = _ApiHolds()
+
+
+def fetch_states(states: list, owner: object, async_op: bool = False) -> GatherHandle:
+    """Take one hold for `owner` on each state and gather those not available (see both notes above)."""
     for s in states:
-        s.hold()
+        s.hold(owner)
     missing = [s for s in states if s.status is ZeroParamStatus.NOT_AVAILABLE]
     in_flight = {id(s.pending): s.pending for s in states if s.status is ZeroParamStatus.INFLIGHT}
     buckets = []
@@ -170,8 +185,8 @@ def fetch_states(states: list, async_op: bool = False) -> GatherHandle:
     return handle
 
 
-def fetch(params: Iterable, async_op: bool = False) -> GatherHandle:
-    return fetch_states(zero_states(params), async_op=async_op)
+def fetch(params: Iterable, owner: object, async_op: bool = False) -> GatherHandle:
+    return fetch_states(zero_states(params), owner, async_op=async_op)
 
 
 def wait_available(states: list) -> None:
@@ -181,34 +196,35 @@ def wait_available(states: list) -> None:
             s.pending.wait()
 
 
-def release_states(states: list, has_been_updated: bool = False, missing_ok: bool = False) -> None:
-    """Drop one hold on each state; write edits back first if `has_been_updated`.
-
-    `missing_ok` serves upstream's `param.partition()`, which may be called on a parameter
-    nobody holds: then a gathered tensor is written back if asked and freed, else nothing.
-    """
+def release_states(states: list, owner: object, has_been_updated: bool = False) -> None:
+    """Drop one of `owner`'s holds on each state; write edits back first if `has_been_updated`."""
     wait_available(states)
     for s in states:
-        if s.holders == 0:
-            if not missing_ok:
-                raise RuntimeError(
-                    f"[rank {s.rank}] parameter ds_id={s.ds_id} released but not held; "
-                    "each release must follow a fetch by the same holder"
-                )
-            if s.status is ZeroParamStatus.AVAILABLE:
-                if has_been_updated:
-                    s.write_back()
-                if not s.persist:
-                    s.to_released()
-            continue
         if has_been_updated:
             s.write_back()
-        if s.unhold() == 0 and not s.persist:
+        if s.unhold(owner) and not s.persist:
             s.to_released()
 
 
-def release(params: Iterable, has_been_updated: bool = False, missing_ok: bool = True) -> None:
-    release_states(zero_states(params), has_been_updated=has_been_updated, missing_ok=missing_ok)
+def release_api_holds(params: Iterable, has_been_updated: bool = False) -> None:
+    """Upstream's `param.partition()`: drop a hold taken by `param.all_gather()`.
+
+    Other owners' holds are never dropped: a parameter that someone else (the engine, a live
+    GatheredParameters) holds stays gathered, with edits written back if asked. A gathered
+    parameter nobody holds is written back if asked and freed.
+    """
+    states = zero_states(params)
+    wait_available(states)
+    for s in states:
+        if s.status is not ZeroParamStatus.AVAILABLE:
+            continue
+        if has_been_updated:
+            s.write_back()
+        if PARAM_API in s.holds:
+            if s.unhold(PARAM_API) and not s.persist:
+                s.to_released()
+        elif not s.holds and not s.persist:
+            s.to_released()
 
 
 # Tensors at least this large are broadcast in place: coalescing them would copy them.
@@ -245,6 +261,16 @@ def broadcast_full(states: list, src_group_rank: int) -> None:
         group = bucket[0].group
         src = dist.get_global_rank(group, src_group_rank)
         broadcast_coalesced([s.param.data for s in bucket], src, group)
+
+
+def ranks_that_failed(states: list, failed_here: bool) -> list:
+    """Group ranks (of `states[0]`'s group) that report `failed_here`; one all-reduce, every rank agrees."""
+    group, world, rank = states[0].group, states[0].world_size, states[0].rank
+    flags = torch.zeros(world, dtype=torch.int32, device=_compute_device())
+    flags[rank] = int(failed_here)
+    if world > 1:
+        dist.all_reduce(flags, group=group)
+    return [r for r, flag in enumerate(flags.tolist()) if flag]
 
 
 def find_discarded_edits(states: list) -> list:

@@ -7,12 +7,26 @@ for the submodule running with it compose: whoever releases last frees the tenso
 
 [Note: how backward finds its parameters]
 Forward frees a submodule's parameters as soon as it returns, but autograd needs them again
-for the submodule's backward. An identity autograd function, `_BackwardCallback`, brackets
-that backward: wrapped around the submodule's outputs, its backward (run when the gradients
-of those outputs are ready, i.e. just before the submodule's own backward) gathers the
-parameters; wrapped around the submodule's inputs, its backward (run once the gradients of
-those inputs are computed, i.e. after the submodule's backward) releases them. A submodule whose inputs need no gradient (the first embedding)
-never reaches the second function: `finish_backward()` releases what is left.
+for the submodule's backward. Two gradient hooks bracket that backward, and neither changes
+a tensor the model sees (a custom autograd function in between would return views, which
+in-place ops such as `nn.ReLU(inplace=True)` or a residual `out += identity` then refuse):
+- on the submodule's outputs, a hook that fires when the first of their gradients is ready,
+  i.e. just before the submodule's own backward, gathers the parameters (`enter_backward`);
+- on its inputs, a hook that fires once all of their gradients are computed, i.e. after the
+  submodule's backward, releases them (`exit_backward`).
+Tensor hooks registered before an in-place op still fire, with the gradient of the value
+before the op, which is what both brackets need. A submodule whose inputs need no gradient
+(the first embedding) never reaches its second hook: `finish_backward()` releases what is
+left when the backward pass ends.
+
+[Note: holds that cannot leak]
+Each submodule's forward and backward is one owner of its holds (a `_Hold`, see gather.py).
+The post-forward hook is registered with `always_call=True`, so it runs, and releases, even
+when the forward raises: an exception in the model, or non-reentrant activation
+checkpointing, whose recomputation stops inside a forward once it has what backward needs.
+The outermost forward of each pass also marks where a pass starts: a pass that ran with
+grad enabled and was never followed by a backward (an eval loop, `generate` called on the
+module directly) is closed there, so the prefetch trace and holds stay bounded.
 
 [Note: prefetch from a recorded trace]
 The first forward/backward records the order in which submodules fetch. Later passes use
@@ -27,10 +41,11 @@ pass, so a pass that strays from the trace costs only wasted prefetches, never a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.param_state import ACCESS_HOOK, is_zero_param
@@ -42,10 +57,10 @@ def _module_states(module: nn.Module) -> list:
     return gather.zero_states(own + external_parameters(module))
 
 
-def _grad_tensors(value: Any, found: list) -> None:
-    """Collect, in a fixed order, the tensors that require grad inside `value`."""
+def _grad_tensors(value: Any, found: list) -> list:
+    """The non-leaf tensors that require grad inside `value` (tuples, lists, dict values)."""
     if isinstance(value, torch.Tensor):
-        if value.requires_grad:
+        if value.requires_grad and value.grad_fn is not None:
             found.append(value)
     elif isinstance(value, (tuple, list)):
         for v in value:
@@ -53,48 +68,21 @@ def _grad_tensors(value: Any, found: list) -> None:
     elif isinstance(value, dict):
         for v in value.values():
             _grad_tensors(v, found)
+    return found
 
 
-def _replace_tensors(value: Any, replacements: list) -> Any:
-    """Rebuild `value` with `_grad_tensors`' tensors replaced, in the same order."""
-    if isinstance(value, torch.Tensor):
-        return replacements.pop(0) if value.requires_grad else value
-    if isinstance(value, tuple):
-        items = [_replace_tensors(v, replacements) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [_replace_tensors(v, replacements) for v in value]
-    if isinstance(value, dict):
-        for key in list(value.keys()):  # in place: keeps dict subclasses (HF ModelOutput) intact
-            value[key] = _replace_tensors(value[key], replacements)
-        return value
-    return value
+class _Hold:
+    """One owner of gathered parameters: a submodule's forward or its backward (see the notes)."""
 
+    __slots__ = ("module", "phase", "states")
 
-def _on_backward(value: Any, callback) -> Any:
-    """Route every grad-requiring tensor in `value` through one `_BackwardCallback` (see the note)."""
-    tensors: list = []
-    _grad_tensors(value, tensors)
-    if not tensors:
-        return value
-    outputs = _BackwardCallback.apply(callback, *tensors)
-    outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
-    return _replace_tensors(value, outputs)
+    def __init__(self, module: nn.Module, phase: str, states: list) -> None:
+        self.module = module
+        self.phase = phase  # "forward" or "backward"
+        self.states = states  # ZeroParamStates this owner holds, one hold each
 
-
-class _BackwardCallback(torch.autograd.Function):
-    """Identity in forward; in backward, calls `callback()` once the tensors' gradients are ready."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
+    def __repr__(self) -> str:
+        return f"{self.phase} of {type(self.module).__name__}"
 
 
 class _Prefetcher:
@@ -112,6 +100,9 @@ class _Prefetcher:
         self.held: dict = {}  # ds_id -> state the prefetcher holds
         self.held_elems = 0
         self.prefetched = 0  # parameters gathered ahead of use, for tests and benchmarks
+
+    def __repr__(self) -> str:
+        return "prefetcher"
 
     def record_or_advance(self, states: list) -> None:
         if self.recording:
@@ -154,7 +145,7 @@ class _Prefetcher:
             ):
                 free.append(s)
                 continue
-            s.hold()  # already gathered: holding it is all it takes to keep it
+            s.hold(self)  # already gathered: holding it is all it takes to keep it
             self.held[s.ds_id] = s
             self.held_elems += s.numel
         return free
@@ -166,7 +157,7 @@ class _Prefetcher:
             del self.held[s.ds_id]
             self.held_elems -= s.numel
         if mine:
-            gather.release_states(mine)
+            gather.release_states(mine, self)
 
     def prefetch_next(self) -> None:
         if self.recording or self.bucket_elems <= 0:
@@ -185,19 +176,19 @@ class _Prefetcher:
             if budget <= 0:
                 break
         if wanted:
-            gather.fetch_states(gather.zero_states(s.param for s in wanted), async_op=True)
+            gather.fetch_states(gather.zero_states(s.param for s in wanted), self, async_op=True)
             self.prefetched += len(wanted)
 
     def end_pass(self) -> None:
         if self.held:
-            gather.release_states(list(self.held.values()))
+            gather.release_states(list(self.held.values()), self)
         self.held.clear()
         self.held_elems = 0
         self.position = 0
 
 
 class ParameterCoordinator:
-    """Installs the stage-3 hooks on every submodule of `module` and tracks the holds they take."""
+    """Installs the stage-3 hooks on every submodule of `module` and owns the holds they take."""
 
     def __init__(
         self,
@@ -210,13 +201,18 @@ class ParameterCoordinator:
         self.prefetcher = _Prefetcher(
             int(prefetch_bucket_size), int(max_live_parameters), int(max_reuse_distance)
         )
-        self.backward_holds: dict = {}  # id(module) -> [(module, states)] held for its backward
-        self.forward_stack: list = []  # submodules whose forward is running, innermost last
-        self.stray_holds: list = []  # states gathered on access with no submodule running
+        self.forward_holds: list = []  # _Holds of submodules whose forward is running, innermost last
+        self.backward_holds: dict = {}  # id(module) -> [_Hold] for its backward, innermost last
+        self.awaiting_backward = False  # a grad-enabled forward finished and no backward closed it
         self._handles: list = []
         for sub in module.modules():
             self._handles.append(sub.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._handles.append(sub.register_forward_hook(self._post_forward, with_kwargs=True))
+            self._handles.append(
+                sub.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+            )
+
+    def __repr__(self) -> str:
+        return f"ParameterCoordinator({type(self.module).__name__})"
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -225,110 +221,154 @@ class ParameterCoordinator:
 
     # ------------------------------------------------------------------ fetch / release
 
-    def _fetch(self, module: nn.Module) -> list:
-        states = _module_states(module)
-        if not states:
-            return states
-        gather.fetch_states(states)  # takes this submodule's hold
-        self.prefetcher.hand_over(states)
-        self.prefetcher.record_or_advance(states)
+    def _fetch(self, hold: _Hold) -> None:
+        gather.fetch_states(hold.states, hold)
+        self.prefetcher.hand_over(hold.states)
+        self.prefetcher.record_or_advance(hold.states)
         self.prefetcher.prefetch_next()
-        for s in states:
-            s.active_sub_modules.add(id(module))
-        return states
+        for s in hold.states:
+            s.active_sub_modules.add(id(hold.module))
 
-    def _release(self, module: nn.Module, states: list) -> None:
-        for s in states:
-            s.active_sub_modules.discard(id(module))
-        self.prefetcher.keep_for_reuse(states)  # holds what is needed again soon
-        gather.release_states(states)
-
-    # ------------------------------------------------------------------ forward
-
-    # ------------------------------------------------------------------ use outside the owner
-
-    def activate(self) -> None:
-        """Route uses of not-gathered parameters to `_on_access` (see param_state's note)."""
-        ACCESS_HOOK.hook = self._on_access
-
-    def deactivate(self) -> None:
-        ACCESS_HOOK.hook = None
-        self.forward_stack.clear()
-        if self.stray_holds:
-            gather.release_states(self.stray_holds)
-            self.stray_holds = []
-
-    def _on_access(self, param: nn.Parameter) -> None:
-        state = param._zero_state
-        if not self.forward_stack:
-            self.stray_holds.append(state)  # used by code outside any submodule: held for the pass
-            gather.fetch_states([state])
-            return
-        module = self.forward_stack[-1]
-        register_external_parameter(module, param)  # from now on fetched with `module`
-        gather.fetch_states([state])  # released by `module`'s post-forward, with its own
-        state.active_sub_modules.add(id(module))
+    def _release(self, hold: _Hold) -> None:
+        for s in hold.states:
+            s.active_sub_modules.discard(id(hold.module))
+        self.prefetcher.keep_for_reuse(hold.states)  # holds what is needed again soon
+        gather.release_states(hold.states, hold)
 
     # ------------------------------------------------------------------ forward
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        self.forward_stack.append(module)
-        states = self._fetch(module)
-        if not states or not torch.is_grad_enabled():
+        if not self.forward_holds:
+            self._begin_outer_forward()
+        hold = _Hold(module, "forward", _module_states(module))
+        self.forward_holds.append(hold)
+        if not hold.states:
             return None
-        # Runs once the gradients of the inputs exist, i.e. after the submodule's backward.
-        args, kwargs = _on_backward((args, kwargs), lambda: self.exit_backward(module))
-        return args, kwargs
+        self._fetch(hold)
+        if torch.is_grad_enabled():
+            inputs = _grad_tensors((args, kwargs), [])
+            if inputs:  # released once every input's gradient exists (see the note)
+                register_multi_grad_hook(inputs, lambda grads: self.exit_backward(module), mode="all")
+        return None
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        if self.forward_stack and self.forward_stack[-1] is module:
-            self.forward_stack.pop()
-        states = _module_states(module)
-        if not states:
-            return None
-        self._release(module, states)
-        if not torch.is_grad_enabled():
-            return None
-        # Runs when the gradients of the outputs are ready, i.e. before the submodule's backward.
-        return _on_backward(output, lambda: self.enter_backward(module))
+        hold = self._pop_forward_hold(module)
+        if hold is None:
+            return None  # the hooks were installed while this forward was running
+        if hold.states:
+            self._release(hold)
+        if not self.forward_holds:
+            self._end_outer_forward()
+        if hold.states and output is not None and torch.is_grad_enabled():
+            outputs = _grad_tensors(output, [])
+            if outputs:  # gathered again before the submodule's backward (see the note)
+                register_multi_grad_hook(outputs, lambda grad: self.enter_backward(module), mode="any")
+        return None
+
+    def _pop_forward_hold(self, module: nn.Module) -> Optional[_Hold]:
+        """Pop `module`'s forward hold; holds above it belong to forwards that never returned."""
+        for index in range(len(self.forward_holds) - 1, -1, -1):
+            if self.forward_holds[index].module is module:
+                for aborted in self.forward_holds[index + 1 :]:
+                    if aborted.states:
+                        self._release(aborted)
+                hold = self.forward_holds[index]
+                del self.forward_holds[index:]
+                return hold
+        return None
+
+    def _begin_outer_forward(self) -> None:
+        ACCESS_HOOK.push(self._on_access)
+        if self.awaiting_backward and not _in_backward():
+            self.end_pass()  # the last pass had no backward (eval, generate): close it
+
+    def _end_outer_forward(self) -> None:
+        ACCESS_HOOK.pop(self._on_access)
+        if _in_backward():
+            return  # a recomputation for activation checkpointing, inside the pass's backward
+        if torch.is_grad_enabled():
+            self.awaiting_backward = True
+        else:
+            self.end_pass()
+
+    # ------------------------------------------------------------------ use outside the owner
+
+    def _on_access(self, param: nn.Parameter) -> None:
+        """A parameter used outside its module: gather it for the running submodule (see param_state)."""
+        state = param._zero_state
+        hold = self.forward_holds[-1]
+        register_external_parameter(hold.module, param)  # from now on fetched with `hold.module`
+        gather.fetch_states([state], hold)
+        hold.states.append(state)  # released with the submodule's own
+        state.active_sub_modules.add(id(hold.module))
 
     # ------------------------------------------------------------------ backward
 
     def enter_backward(self, module: nn.Module) -> None:
-        states = self._fetch(module)
-        self.backward_holds.setdefault(id(module), []).append((module, states))
+        hold = _Hold(module, "backward", _module_states(module))
+        self._fetch(hold)
+        self.backward_holds.setdefault(id(module), []).append(hold)
 
     def exit_backward(self, module: nn.Module) -> None:
         held = self.backward_holds.get(id(module))
         if not held:
             return  # its backward entry never ran (no output needed a gradient)
-        _, states = held.pop()
+        hold = held.pop()
         if not held:
             del self.backward_holds[id(module)]
-        self._release(module, states)
+        self._release(hold)
 
     def finish_backward(self) -> None:
-        """Release the holds of submodules whose inputs needed no gradient (see the note)."""
-        for entries in self.backward_holds.values():
-            for module, states in entries:
-                self._release(module, states)
+        """Release what the backward pass left held (see both notes) and close the pass."""
+        for holds in self.backward_holds.values():
+            for hold in holds:
+                self._release(hold)
         self.backward_holds.clear()
         self.end_pass()
 
     def end_pass(self) -> None:
+        for hold in reversed(self.forward_holds):  # forwards that never returned
+            if hold.states:
+                self._release(hold)
+        if self.forward_holds:
+            self.forward_holds.clear()
+            ACCESS_HOOK.pop(self._on_access)
+        self.awaiting_backward = False
         if self.prefetcher.recording and self.prefetcher.trace:
             self.prefetcher.finish_recording()
         self.prefetcher.end_pass()
 
+    def pass_holds(self) -> list:
+        """Forward and backward holds that are live now (none between passes)."""
+        backward = [hold for holds in self.backward_holds.values() for hold in holds]
+        return [hold for hold in self.forward_holds + backward if hold.states]
 
-def persistent_states(module: nn.Module, threshold: int) -> list:
-    """Parameters small enough to stay gathered (`stage3_param_persistence_threshold`)."""
-    return [p._zero_state for p in module.parameters() if is_zero_param(p) and p.ds_numel < threshold]
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def persistent_states(module: nn.Module, threshold: int, model_threshold: Optional[int] = None) -> list:
+    """Parameters small enough to stay gathered (`stage3_param_persistence_threshold`).
+
+    They are taken in `module.parameters()` order (the same on every rank) while their total
+    elements stay within `model_threshold` (`stage3_model_persistence_threshold`; None: no cap).
+    """
+    chosen, total = [], 0
+    for p in module.parameters():
+        if not is_zero_param(p) or p.ds_numel >= threshold:
+            continue
+        if model_threshold is not None and total + p.ds_numel > model_threshold:
+            continue  # a smaller one later may still fit, as upstream counts
+        chosen.append(p._zero_state)
+        total += p.ds_numel
+    return chosen
 
 
 def mark_persistent(states: list) -> None:
     """Gather once and keep: the prefetcher's hold would otherwise come and go every pass."""
     for s in states:
         s.persist = True
-    gather.fetch_states(states)
-    gather.release_states(states)  # the gather's own hold; persistence keeps the tensor
+    gather.fetch_states(states, mark_persistent)
+    gather.release_states(states, mark_persistent)  # persistence, not a hold, keeps the tensor

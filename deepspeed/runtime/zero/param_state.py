@@ -60,37 +60,51 @@ PARAM_IDS = _IdCounter()
 
 
 class _InPlaceInitHook:
-    """Where Init puts its hook for in-place init methods on partitioned parameters.
+    """Where Init puts its hook for in-place ops on partitioned parameters.
 
     [Note: a parent initializing a child's partitioned parameter]
     A module's parameters are partitioned when its own `__init__` returns, but its parent may
     initialize them afterwards: `nn.MultiheadAttention` builds `out_proj` and then zeroes
-    `out_proj.bias` through `nn.init.constant_`, i.e. `fill_`. On a partitioned parameter
-    that would write into an empty tensor and be lost. While an Init is active, the in-place
-    methods torch.nn.init relies on (`fill_`, `zero_`, `uniform_`, `normal_`) gather the
-    parameter, apply, and keep rank 0's result. Outside Init the hook is None: such a call
-    acts on whatever `param.data` holds, as upstream.
+    `out_proj.bias` through `nn.init.constant_`; a ViT re-initializes every Linear with
+    `trunc_normal_`, a chain of `uniform_`, `erfinv_`, `mul_`, `add_` and `clamp_`. On a
+    partitioned parameter each of those would act on an empty tensor and be lost. While an
+    Init is active, every in-place op (a name ending in one underscore, see `is_in_place`)
+    whose target is a partitioned parameter gathers it, applies the op, and keeps rank 0's
+    result; `nn.init` functions that dispatch through `__torch_function__` are taken whole,
+    so a `uniform_` costs one gather. Outside Init the hook is None: such a call acts on
+    whatever `param.data` holds, as upstream.
     """
 
+    # Methods with a trailing underscore that change metadata or autograd flags, not values.
+    NOT_VALUE_OPS = frozenset(
+        ["requires_grad_", "share_memory_", "retain_grad_", "detach_", "set_", "resize_"]
+    )
+
     def __init__(self) -> None:
-        self.hook: Optional[Any] = None  # hook(param, method_name, args, kwargs) -> param
+        self.hook: Optional[Any] = None  # hook(param, func, args, kwargs) -> the func's result
+
+    def is_in_place(self, name: str) -> bool:
+        return name.endswith("_") and not name.endswith("__") and name not in self.NOT_VALUE_OPS
 
 
 IN_PLACE_INIT = _InPlaceInitHook()
 
 
 class _AccessHook:
-    """Where the engine puts its hook for partitioned parameters used outside their module.
+    """Where engines put their hooks for partitioned parameters used outside their module.
 
     [Note: parameters used outside their owning module]
     The engine gathers a submodule's parameters around that submodule's forward. Some
     modules read a child's parameters without calling the child: `nn.MultiheadAttention`
-    passes `out_proj.weight` straight to `F.multi_head_attention_forward`. While the engine
-    runs a forward, any torch function that receives a parameter that is not gathered calls
-    this hook first (through `ZeroParameter.__torch_function__`); the engine gathers it,
-    registers it as an external parameter of the submodule that is running, so later passes
-    gather (and prefetch) it up front, and releases it with that submodule. Outside the
-    engine's forward the hook is None and such a use sees the empty tensor, as upstream.
+    passes `out_proj.weight` straight to `F.multi_head_attention_forward`. While an engine
+    runs a forward, any torch function that receives a parameter that is not gathered,
+    positionally, by keyword or inside a list (`torch.cat([w1, w2])`), calls this hook first
+    (through `ZeroParameter.__torch_function__`); the engine gathers it, registers it as an
+    external parameter of the submodule that is running, so later passes gather (and
+    prefetch) it up front, and releases it with that submodule. Engines nest (a teacher's
+    forward inside a student's), so the hooks form a stack and the innermost running engine
+    answers. Outside every engine's forward the stack is empty and such a use sees the
+    empty tensor, as upstream.
     """
 
     # Functions that read metadata or storage handles: never worth a gather.
@@ -101,7 +115,17 @@ class _AccessHook:
     )  # fmt: skip
 
     def __init__(self) -> None:
-        self.hook: Optional[Any] = None  # hook(param) -> None; makes `param` available
+        self.hook: Optional[Any] = None  # the innermost engine's hook(param) -> None; makes `param` available
+        self._stack: list = []
+
+    def push(self, hook: Any) -> None:
+        self._stack.append(hook)
+        self.hook = hook
+
+    def pop(self, hook: Any) -> None:
+        assert self._stack and self._stack[-1] == hook, "access hooks must be removed innermost first"
+        self._stack.pop()
+        self.hook = self._stack[-1] if self._stack else None
 
 
 ACCESS_HOOK = _AccessHook()
@@ -126,7 +150,7 @@ class ZeroParamState:
     padding: int  # elements added to reach a multiple of world_size
     shard: torch.Tensor  # 1D, [partition_size], this rank's slice (padding zero-filled)
     status: ZeroParamStatus
-    holders: int  # live holders of the gathered tensor (see gather.py's refcount note)
+    holds: dict  # owner -> holds it took on the gathered tensor (see gather.py's refcount note)
     persist: bool  # small parameters that stay gathered (stage3_param_persistence_threshold)
     active_sub_modules: set  # ids of submodules currently running with this parameter
     pending: Optional[Any]  # the gather bucket that will materialize an INFLIGHT parameter
@@ -156,7 +180,7 @@ class ZeroParamState:
         # What param.data holds while partitioned: shape [0], the parameter's dtype and device.
         self.placeholder = _empty_like_data(param.data)
         self.status = ZeroParamStatus.AVAILABLE
-        self.holders = 0
+        self.holds = {}
         self.persist = False
         self.active_sub_modules = set()
         self.pending = None
@@ -179,7 +203,7 @@ class ZeroParamState:
         state.shard = source.shard.clone()
         state.placeholder = _empty_like_data(source.placeholder)
         state.status = ZeroParamStatus.NOT_AVAILABLE
-        state.holders = 0
+        state.holds = {}
         state.active_sub_modules = set()
         state.pending = None
         state.external_owners = []
@@ -214,6 +238,19 @@ class ZeroParamState:
         self._copy_own_slice(self.param.data, self.shard)
         self.shard_version += 1  # tells the optimizer its fp32 master is stale
 
+    def retype_shard(self, out: torch.Tensor) -> None:
+        """Move the shard into `out` (a zeroed `[partition_size]` tensor of another dtype)."""
+        self._require(ZeroParamStatus.NOT_AVAILABLE, "retype_shard")
+        assert not self.holds, (
+            f"[rank {self.rank}] ds_id={self.ds_id} re-typed while held by {list(self.holds)}"
+        )
+        out.copy_(self.shard)
+        self.shard = out
+        self.placeholder = torch.empty(0, dtype=out.dtype, device=self.placeholder.device)
+        with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
+            self.param.data = self.placeholder
+        self.shard_version += 1  # an fp32 master made before this must be rebuilt
+
     # ------------------------------------------------------------------ status transitions
 
     def _require(self, expected: ZeroParamStatus, action: str) -> None:
@@ -237,8 +274,8 @@ class ZeroParamState:
     def to_released(self) -> None:
         """Free the gathered tensor; only the shard remains."""
         self._require(ZeroParamStatus.AVAILABLE, "to_released")
-        assert self.holders == 0, (
-            f"[rank {self.rank}] ds_id={self.ds_id} released with {self.holders} holders"
+        assert not self.holds, (
+            f"[rank {self.rank}] ds_id={self.ds_id} released while held by {list(self.holds)}"
         )
         with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
             self.param.data = self.placeholder
@@ -246,13 +283,23 @@ class ZeroParamState:
 
     # ------------------------------------------------------------------ holders
 
-    def hold(self) -> None:
-        self.holders += 1
+    @property
+    def holders(self) -> int:
+        """How many holds are live, over all owners."""
+        return sum(self.holds.values())
 
-    def unhold(self) -> int:
-        assert self.holders > 0, f"[rank {self.rank}] ds_id={self.ds_id} released more often than held"
-        self.holders -= 1
-        return self.holders
+    def hold(self, owner: object) -> None:
+        self.holds[owner] = self.holds.get(owner, 0) + 1
+
+    def unhold(self, owner: object) -> bool:
+        """Drop one of `owner`'s holds; True when nobody holds the tensor any more."""
+        count = self.holds.get(owner, 0)
+        assert count > 0, f"[rank {self.rank}] ds_id={self.ds_id} released by {owner!r}, which holds none"
+        if count == 1:
+            del self.holds[owner]
+        else:
+            self.holds[owner] = count - 1
+        return not self.holds
 
     def summary(self) -> dict:
         return {
@@ -267,9 +314,42 @@ class ZeroParamState:
             "persist": self.persist,
             "active_sub_modules": sorted(self.active_sub_modules),
             "holders": self.holders,
+            "held_by": [repr(owner) for owner in self.holds],
             "partition_size": self.partition_size,
             "padding": self.padding,
         }
+
+
+_NOT_INTERCEPTED = object()
+
+
+def _zero_params_in(value: Any, found: list) -> list:
+    """The ZeroParameters among `value`, looking inside tuples, lists and dict values."""
+    if isinstance(value, ZeroParameter):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _zero_params_in(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _zero_params_in(v, found)
+    return found
+
+
+def _intercept(func, args: tuple, kwargs: dict) -> Any:
+    """Route `func` through Init's in-place hook or the engine's access hook (see both notes)."""
+    name = getattr(func, "__name__", "")
+    init_hook = IN_PLACE_INIT.hook
+    if init_hook is not None and IN_PLACE_INIT.is_in_place(name):
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
+        if isinstance(target, ZeroParameter) and target._zero_state.status is ZeroParamStatus.NOT_AVAILABLE:
+            return init_hook(target, func, args, kwargs)
+    access_hook = ACCESS_HOOK.hook
+    if access_hook is not None and name not in _AccessHook.NO_FETCH:
+        for param in _zero_params_in((args, kwargs), []):
+            if param._zero_state.status is not ZeroParamStatus.AVAILABLE:
+                access_hook(param)
+    return _NOT_INTERCEPTED
 
 
 class ZeroParameter(nn.Parameter):
@@ -279,14 +359,14 @@ class ZeroParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        hook = ACCESS_HOOK.hook
-        if hook is not None and getattr(func, "__name__", "") not in _AccessHook.NO_FETCH:
-            for arg in args:
-                if isinstance(arg, ZeroParameter) and arg._zero_state.status is not ZeroParamStatus.AVAILABLE:
-                    hook(arg)
+        kwargs = kwargs or {}
+        if IN_PLACE_INIT.hook is not None or ACCESS_HOOK.hook is not None:
+            result = _intercept(func, args, kwargs)
+            if result is not _NOT_INTERCEPTED:
+                return result
         # As nn.Parameter does: run the function without subclass dispatch, results are plain tensors.
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
 
     @property
     def ds_id(self) -> int:
@@ -337,7 +417,7 @@ class ZeroParameter(nn.Parameter):
         """Gather `param_list` (default: this parameter). Each call holds them until `partition()`."""
         from deepspeed.runtime.zero import gather
 
-        handle = gather.fetch(param_list or [self], async_op=True)
+        handle = gather.fetch(param_list or [self], gather.PARAM_API, async_op=True)
         if async_op:
             return handle
         handle.wait()
@@ -345,41 +425,28 @@ class ZeroParameter(nn.Parameter):
 
     def all_gather_coalesced(self, params: list, safe_mode: bool = False, quantize: bool = False):
         """Issue one coalesced gather of `params` and return its handle (call `wait()`)."""
-        del safe_mode, quantize  # accepted for compatibility
+        del safe_mode  # a debugging aid upstream; our state transitions always check themselves
+        if quantize:
+            raise ValueError("all_gather_coalesced(quantize=True): quantized gathers are not supported")
         from deepspeed.runtime.zero import gather
 
-        return gather.fetch(params, async_op=True)
+        return gather.fetch(params, gather.PARAM_API, async_op=True)
 
     def partition(
         self, param_list: Optional[list] = None, has_been_updated: bool = False, free_data: bool = True
     ):
-        """Drop the hold taken by `all_gather()`; `has_been_updated=True` first writes edits back."""
+        """Drop the hold taken by `all_gather()`; `has_been_updated=True` first writes edits back.
+
+        Holds that others took (the engine, a live GatheredParameters) are never dropped here.
+        """
         del free_data  # the last holder always frees: see gather.py's refcount note
         from deepspeed.runtime.zero import gather
 
-        gather.release(param_list or [self], has_been_updated=has_been_updated)
+        gather.release_api_holds(param_list or [self], has_been_updated=has_been_updated)
 
     def __repr__(self) -> str:
         state = self._zero_state
         return f"ZeroParameter(ds_id={state.ds_id}, shape={tuple(state.shape)}, status={state.status.name})"
-
-    def _in_place(self, method: str, args: tuple, kwargs: dict):
-        hook = IN_PLACE_INIT.hook
-        if hook is None or self._zero_state.status is not ZeroParamStatus.NOT_AVAILABLE:
-            return getattr(torch.Tensor, method)(self, *args, **kwargs)
-        return hook(self, method, args, kwargs)
-
-    def fill_(self, *args, **kwargs):
-        return self._in_place("fill_", args, kwargs)
-
-    def zero_(self, *args, **kwargs):
-        return self._in_place("zero_", args, kwargs)
-
-    def uniform_(self, *args, **kwargs):
-        return self._in_place("uniform_", args, kwargs)
-
-    def normal_(self, *args, **kwargs):
-        return self._in_place("normal_", args, kwargs)
 
     def __deepcopy__(self, memo: dict) -> ZeroParameter:
         if id(self) in memo:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -138,8 +139,8 @@ class _InitSettings:
     world_size: int
     rank: int
     sanity_checks: bool
-
     override_module_apply: bool  # False: leave nn.Module.apply unpatched
+
     def __init__(self, init: Init) -> None:
         from deepspeed.accelerator import get_accelerator
 
@@ -152,8 +153,8 @@ class _InitSettings:
         self.world_size = dist.get_world_size(init.group)
         self.rank = dist.get_rank(init.group)
         self.sanity_checks = init.sanity_checks
-
         self.override_module_apply = init.override_module_apply
+
 
 # ============================================================================ the Init stack
 
@@ -207,9 +208,9 @@ class _InitStack:
             if not PATCHES.modules.installed:
                 PATCHES.modules.install(_convert_built_module, None)
                 IN_PLACE_INIT.hook = _gathered_in_place
-            # Looked up by name at each start: a client may have swapped the wrapper.
             # The innermost Init's `override_module_apply` decides, like its dtype.
             PATCHES.modules.set_apply_hook(_gathered_apply if settings.override_module_apply else None)
+            # Looked up by name at each start: a client may have swapped the wrapper.
             PATCHES.factories.bind(globals()["zero_wrapper_for_fp_tensor_constructor"], settings.dtype)
         except BaseException:
             IN_PLACE_INIT.hook = None
@@ -298,6 +299,36 @@ def _flat_shard_views(params: list, settings: _InitSettings, accelerator) -> lis
     return views
 
 
+def cast_partitioned(module: nn.Module, dtype: torch.dtype) -> None:
+    """Re-type the floating-point shards of `module`'s ZeRO parameters to `dtype`.
+
+    An engine trains in one dtype; a model built under an Init of another one (fp32 when
+    Init had no config) would otherwise train parameters of one dtype beside buffers of
+    another. Each module's shards stay back to back in one flat buffer (see gather.py).
+    """
+    for sub in module.modules():
+        states = [
+            p._zero_state
+            for p in sub._parameters.values()
+            if p is not None and is_zero_param(p) and p.dtype.is_floating_point and p.dtype != dtype
+        ]
+        states = gather.zero_states(s.param for s in states)  # tied parameters once
+        if not states:
+            continue
+        busy = [s.ds_id for s in states if s.status is not ZeroParamStatus.NOT_AVAILABLE or s.holds]
+        if busy:
+            raise RuntimeError(
+                f"cannot cast parameters ds_id={busy} of {type(sub).__name__} to {dtype}: they are gathered; "
+                "stop every GatheredParameters over the model before deepspeed.initialize"
+            )
+        sizes = [s.partition_size for s in states]
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=states[0].shard.device)
+        if states[0].shard.is_pinned():
+            flat = flat.pin_memory()
+        for s, view in zip(states, torch.split(flat, sizes)):
+            s.retype_shard(view)
+
+
 def _gathered_apply(module: nn.Module, fn) -> nn.Module:
     """`Module.apply` under Init: each module's own parameters are gathered around `fn`.
 
@@ -312,14 +343,14 @@ def _gathered_apply(module: nn.Module, fn) -> nn.Module:
     return module
 
 
-def _gathered_in_place(param: ZeroParameter, method: str, args: tuple, kwargs: dict) -> ZeroParameter:
-    """An in-place init method on a partitioned parameter while Init is active (see param_state).
+def _gathered_in_place(param: ZeroParameter, func, args: tuple, kwargs: dict) -> Any:
+    """An in-place op on a partitioned parameter while Init is active (see param_state's note).
 
     Every rank runs it, keeping RNG streams in step with a plain run; rank 0's result is kept.
     """
     with GatheredParameters(param, modifier_rank=0):
-        getattr(torch.Tensor, method)(param, *args, **kwargs)
-    return param
+        result = func(*args, **kwargs)
+    return param if result is param else result
 
 
 # ============================================================================ Init
@@ -465,6 +496,7 @@ class GatheredParameters:
         candidates = _as_param_list(params)  # validated even when disabled: misuse is loud
         self._states = gather.zero_states(candidates) if enabled else []
         self._handle: Optional[gather.GatherHandle] = None
+        self._exception_at_start: Optional[BaseException] = None
         if self._states:
             self._check_modifier_rank(modifier_rank)
             if fwd_module is not None:
@@ -499,10 +531,12 @@ class GatheredParameters:
     def start(self, async_op: bool = False) -> GatheredParameters:
         """Gather the parameters and return `self`; with `async_op=True`, `wait()` completes it."""
         self._tracker.begin()
+        # An exception already being handled around start() is not the body's (see stop's note).
+        self._exception_at_start = sys.exc_info()[1]
         if not self._states:
             return self  # disabled, or no ZeRO parameter: nothing to gather
         try:
-            self._handle = gather.fetch_states(self._states, async_op=async_op)
+            self._handle = gather.fetch_states(self._states, self, async_op=async_op)
         except BaseException:
             self._tracker.end()
             raise
@@ -518,21 +552,52 @@ class GatheredParameters:
             self._handle.wait()
 
     def stop(self) -> None:
-        """Write back (modifier_rank) or discard edits, then release the parameters."""
+        """Write back (modifier_rank) or discard edits, then release the parameters.
+
+        [Note: a body that raised on some ranks only]
+        With `modifier_rank`, stop broadcasts the modifier's tensors. If the body raised on
+        some ranks and not on others, the ranks would go separate ways after the broadcast and
+        the next collective would hang. So the ranks first agree, in one small all-reduce,
+        whether the body raised anywhere (stop() sees an exception that is propagating through
+        `__exit__` or a `finally`); if it did, every rank discards the edits and the ranks
+        whose body succeeded raise an error naming the ranks that failed.
+        """
         self._tracker.end()
         if not self._states:
             return
+        raising = sys.exc_info()[1]
+        failed_here = raising is not None and raising is not self._exception_at_start
         states, updated = self._states, False
         try:
             self._handle.wait()
             if self.modifier_rank is not None:
-                gather.broadcast_full(states, self.modifier_rank)
-                updated = True
+                failed = gather.ranks_that_failed(states, failed_here)
+                if not failed:
+                    gather.broadcast_full(states, self.modifier_rank)
+                    updated = True
+                elif not failed_here:
+                    raise RuntimeError(
+                        f"{self._describe()}: the body raised on rank(s) {failed}; the edits were "
+                        "discarded on every rank (see the error on those ranks)"
+                    )
             elif any(s.sanity_checks for s in states):
                 self._raise_on_discarded_edits(states)
         finally:
             self._handle = None
-            gather.release_states(states, has_been_updated=updated)
+            gather.release_states(states, self, has_been_updated=updated)
+
+    def write_back_edits(self) -> None:
+        """Make the modifier rank's edits so far every rank's and write them into the shards.
+
+        The parameters stay gathered. `engine.step()` calls this for a live gather with a
+        `modifier_rank`, so edits made before the step are what the optimizer steps from.
+        """
+        if self.modifier_rank is None or not self._tracker.active or not self._states:
+            return
+        self._handle.wait()
+        gather.broadcast_full(self._states, self.modifier_rank)
+        for s in self._states:
+            s.write_back()
 
     @staticmethod
     def _raise_on_discarded_edits(states: list) -> None:

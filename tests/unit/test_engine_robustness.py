@@ -1,0 +1,333 @@
+"""The stage-3 engine on ordinary training code: in-place ops, checkpointing, aborted forwards,
+live gathers across step, parameters used by keyword or in lists, nested engines, direct calls.
+
+Each parity case trains a model under ZeRO-3 and a plain copy from the same seed with a
+DDP-style reference (every rank's micro-batch through the plain model, gradients averaged),
+and compares losses per step and the final parameters.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.param_state import ZeroParamStatus
+from tests.unit.common import DistributedTest
+
+BATCH, WIDTH = 8, 10
+
+
+def sgd_config(**extra):
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH // dist.get_world_size(),
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 200},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def my_rows(tensor, rank=None):
+    ws = dist.get_world_size()
+    per = tensor.shape[0] // ws
+    rank = dist.get_rank() if rank is None else rank
+    return tensor[rank * per : (rank + 1) * per]
+
+
+def make_data(steps, shape, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(BATCH, *shape, generator=gen), torch.randn(BATCH, 3, generator=gen))
+        for _ in range(steps)
+    ]
+
+
+def reference_losses(model, data):
+    """DDP-style: each rank's rows separately, gradients averaged; the mean loss per step."""
+    ws = dist.get_world_size()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        total = 0.0
+        for r in range(ws):
+            loss = F.mse_loss(model(my_rows(x, r)), my_rows(y, r))
+            (loss / ws).backward()
+            total += loss.item() / ws
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+def engine_losses(engine, data, between_steps=None):
+    losses = []
+    for step, (x, y) in enumerate(data):
+        loss = F.mse_loss(engine(my_rows(x)), my_rows(y))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+        if between_steps is not None:
+            between_steps(step)
+    return losses
+
+
+def assert_parity(engine, losses, reference, ref_losses):
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=5e-5, msg=name)
+    assert_nothing_held(engine)
+
+
+def assert_nothing_held(engine):
+    for p in engine.module.parameters():
+        assert p._zero_state.holders == 0, p.ds_summary()
+        assert p.ds_status is ZeroParamStatus.NOT_AVAILABLE, p.ds_summary()
+
+
+def twin(build, **extra):
+    """(engine, plain reference) built from one seed."""
+    torch.manual_seed(7)
+    zero_model = build()
+    torch.manual_seed(7)
+    reference = build()
+    engine, *_ = deepspeed.initialize(model=zero_model, config=sgd_config(**extra))
+    return engine, reference
+
+
+class ResidualBlock(nn.Module):
+    """A torchvision-style basic block: in-place ReLU on hooked outputs and `out += identity`."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class TinyResNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 4, 3, padding=1)
+        self.act = nn.ReLU(inplace=True)
+        self.block = ResidualBlock(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.block(self.act(self.stem(x)))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+class CheckpointedMLP(nn.Module):
+    def __init__(self, use_reentrant):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)) for _ in range(3)
+        )
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return self.head(x)
+
+
+class OutsideUses(nn.Module):
+    """Parameters passed by keyword and inside a list, outside their own modules' forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(2 * WIDTH, 3)
+
+    def forward(self, x):
+        h = torch.tanh(F.linear(x, weight=self.a.weight, bias=self.a.bias))
+        stacked = torch.cat([self.a.weight, self.b.weight])  # [2W, W]
+        return self.head(F.linear(h, stacked))
+
+
+class TestEngineRobustness(DistributedTest):
+    world_size = [2]
+
+    def test_in_place_relu_and_residual_add(self):
+        engine, reference = twin(TinyResNet)
+        data = make_data(3, (2, 5, 5))
+        assert_parity(engine, engine_losses(engine, data), reference, reference_losses(reference, data))
+
+    @pytest.mark.parametrize("use_reentrant", [False, True])
+    def test_activation_checkpointing(self, use_reentrant):
+        engine, reference = twin(lambda: CheckpointedMLP(use_reentrant))
+        data = make_data(4, (WIDTH,))
+        assert_parity(engine, engine_losses(engine, data), reference, reference_losses(reference, data))
+
+    def test_parameters_by_keyword_and_in_lists(self):
+        engine, reference = twin(OutsideUses)
+        data = make_data(3, (WIDTH,))
+        assert_parity(engine, engine_losses(engine, data), reference, reference_losses(reference, data))
+
+    def test_gather_live_across_step_sees_the_update(self):
+        engine, reference = twin(OutsideUses)
+        data = make_data(3, (WIDTH,))
+        weight = engine.module.head.weight
+        live = deepspeed.zero.GatheredParameters(weight).start()
+        seen = []
+        losses = engine_losses(engine, data, between_steps=lambda step: seen.append(weight.detach().clone()))
+        live.stop()
+        ref_losses = reference_losses(reference, data)
+        torch.testing.assert_close(seen[-1], reference.head.weight.detach(), rtol=0, atol=5e-5)
+        assert not torch.equal(seen[0], seen[-1])
+        assert_parity(engine, losses, reference, ref_losses)
+
+    def test_modifier_gather_across_step_keeps_the_edit(self):
+        engine, reference = twin(OutsideUses)
+        data = make_data(2, (WIDTH,))
+        bias = engine.module.head.bias
+        live = deepspeed.zero.GatheredParameters(bias, modifier_rank=0).start()
+        bias.data.add_(1.0)  # every rank's forward sees it; the step must start from it too
+        with torch.no_grad():
+            reference.head.bias.add_(1.0)
+        losses = engine_losses(engine, data)
+        live.stop()
+        assert_parity(engine, losses, reference, reference_losses(reference, data))
+
+    def test_exception_in_forward_leaves_nothing_held(self):
+        engine, reference = twin(OutsideUses)
+        data = make_data(3, (WIDTH,))
+        engine.module.b.register_forward_hook(lambda *a: None)  # an unrelated hook stays harmless
+
+        def failing(module, args):
+            raise ValueError("bad batch")
+
+        handle = engine.module.head.register_forward_pre_hook(failing)
+        with pytest.raises(ValueError, match="bad batch"):
+            engine(my_rows(data[0][0]))
+        handle.remove()
+        assert_nothing_held(engine)
+        assert_parity(engine, engine_losses(engine, data), reference, reference_losses(reference, data))
+
+    def test_nested_engine_forward_keeps_the_outer_access_hook(self):
+        torch.manual_seed(3)
+        teacher_model = nn.Linear(WIDTH, WIDTH)
+        teacher, *_ = deepspeed.initialize(
+            model=teacher_model,
+            config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}},
+        )
+
+        class Student(OutsideUses):
+            def forward(self, x):
+                with torch.no_grad():
+                    x = teacher(x)  # the inner engine's forward, then parameters used outside
+                return super().forward(x)
+
+        class Reference(OutsideUses):
+            def forward(self, x):
+                with torch.no_grad():
+                    x = teacher_plain(x)
+                return super().forward(x)
+
+        with deepspeed.zero.GatheredParameters(list(teacher_model.parameters())):
+            teacher_plain = nn.Linear(WIDTH, WIDTH)
+            teacher_plain.load_state_dict({k: v.clone() for k, v in teacher_model.state_dict().items()})
+        torch.manual_seed(7)
+        student = Student()
+        torch.manual_seed(7)
+        reference = Reference()
+        engine, *_ = deepspeed.initialize(model=student, config=sgd_config())
+        data = make_data(3, (WIDTH,))
+        assert_parity(engine, engine_losses(engine, data), reference, reference_losses(reference, data))
+
+    def test_direct_module_calls_keep_the_trace_bounded(self):
+        engine, _ = twin(OutsideUses)
+        data = make_data(2, (WIDTH,))
+        engine_losses(engine, data)
+        trace_length = len(engine.coordinator.prefetcher.trace)
+        x = my_rows(data[0][0])
+        with torch.no_grad():
+            outputs = [engine.module(x) for _ in range(5)]  # an eval loop, generate
+        for _ in range(3):
+            engine.module(x)  # grad enabled, never backpropagated
+        assert len(engine.coordinator.prefetcher.trace) == trace_length
+        assert all(torch.equal(outputs[0], o) for o in outputs)
+        engine(x).sum()  # a fresh pass closes the last one
+        engine.coordinator.end_pass()
+        assert_nothing_held(engine)
+
+    def test_partition_drops_only_its_own_hold(self):
+        engine, _ = twin(OutsideUses)
+        weight = engine.module.a.weight
+        live = deepspeed.zero.GatheredParameters(weight).start()
+        weight.partition()  # nobody took an all_gather() hold: the live gather keeps it
+        assert weight.ds_status is ZeroParamStatus.AVAILABLE and weight.numel() == WIDTH * WIDTH
+        weight.all_gather()
+        weight.partition()
+        assert weight.ds_status is ZeroParamStatus.AVAILABLE
+        live.stop()
+        assert weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        weight.all_gather()
+        weight.partition()
+        assert weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+
+    def test_bf16_engine_retypes_an_fp32_init_model_and_aliased_buffers(self):
+        with deepspeed.zero.Init():  # no config: fp32
+            model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Linear(WIDTH, 3))
+        alias = model[1].running_mean
+        model[2].register_buffer("shared_mean", alias)
+        engine, *_ = deepspeed.initialize(model=model, config=sgd_config(bf16={"enabled": True}))
+        assert all(
+            p.dtype == torch.bfloat16 and p.ds_tensor.dtype == torch.bfloat16 for p in model.parameters()
+        )
+        assert alias.dtype == torch.bfloat16 and model[2].shared_mean is alias
+        x, y = make_data(1, (WIDTH,))[0]
+        loss = F.mse_loss(engine(my_rows(x).bfloat16()).float(), my_rows(y))
+        engine.backward(loss)
+        engine.step()
+        assert torch.isfinite(loss)
+
+    def test_save_with_a_live_modifier_gather_keeps_the_edit(self, tmp_path):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        engine, _ = twin(OutsideUses)
+        engine_losses(engine, make_data(1, (WIDTH,)))
+        bias = engine.module.head.bias
+        live = deepspeed.zero.GatheredParameters(bias, modifier_rank=0).start()
+        bias.data.fill_(0.25)
+        save_dir = str(tmp_path / "ckpt")  # the same path on every rank: tmp_path comes from the parent
+        engine.save_checkpoint(save_dir)
+        live.stop()
+        dist.barrier()
+        state = get_fp32_state_dict_from_zero_checkpoint(save_dir)
+        assert torch.all(state["head.bias"] == 0.25)
+
+    def test_sanity_checks_refuse_a_gathered_parameter_with_no_holder(self):
+        from deepspeed.runtime.zero import gather
+
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "enable_sanity_checks": True}
+        engine, _ = twin(OutsideUses, zero_optimization=zero)
+        x, y = make_data(1, (WIDTH,))[0]
+        loss = F.mse_loss(engine(my_rows(x)), my_rows(y))
+        engine.backward(loss)
+        state = engine.module.a.weight._zero_state
+        gather.fetch_states([state], "test")
+        state.holds.clear()  # what a lost release would leave
+        with pytest.raises(RuntimeError, match="gathered with no holder"):
+            engine.step()
+        state.hold("test")
+        gather.release_states([state], "test")
