@@ -297,7 +297,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     _no_effect: ClassVar[dict[str, str]] = {
         "zero_allow_untested_optimizer": "every client optimizer is allowed, as if true (HF and "
         "accelerate set it to true); the wrapped optimizer steps the fp32 shards whatever its class",
-        "zero_force_ds_cpu_optimizer": "applies only with offload_optimizer, which is refused",
     }
 
     train_batch_size: Optional[int] = Field(None, gt=0)

@@ -1,12 +1,12 @@
 """`DeepSpeedEngine`: a thin facade over the ZeRO-3 pieces in `deepspeed/runtime/zero/`.
 
-It converts the model (if it was not built under `zero.Init`), installs the stage-3 hooks
-(`ParameterCoordinator`), routes gradients into the `GradientReducer`, and steps the
-`ZeroStage3Optimizer` and the LR scheduler on gradient-accumulation boundaries.
-
-Every ZeRO stage in the config runs on the stage-3 machinery: partitioning parameters as
-well as gradients and optimizer states gives the same training results as stages 0-2,
-with less memory per rank and more communication.
+At stage 3 it converts the model (if it was not built under `zero.Init`) and installs the
+hooks that gather parameters around each submodule (`ParameterCoordinator`). At stages 0-2
+parameters stay whole and only this rank's slices are kept for the optimizer
+(`stage_1_and_2.py`). Every stage routes gradients into the `GradientReducer` (during
+backward at stages 2-3, once per step at 0-1) and steps the same `ZeroStage3Optimizer` over
+fp32 master slices, then the LR scheduler, on gradient-accumulation boundaries. Stage 0 runs
+as stage 1: the same results as plain data parallelism, with the optimizer state sharded.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, 
 from deepspeed.runtime.zero.param_state import ZeroParamStatus, is_zero_param
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters, Init, cast_partitioned
 from deepspeed.runtime.zero.stage3 import ZeroStage3Optimizer
+from deepspeed.runtime.zero.stage_1_and_2 import (
+    make_replicated_shards,
+    reduce_accumulated_grads,
+    refuse_partitioned,
+)
 from deepspeed.utils.logging import logger
 
 
@@ -63,16 +68,25 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._boundary_override: Optional[bool] = None
-        self._prepare_module()
         zero = self._config.zero_config
-        self.coordinator = ParameterCoordinator(
-            model, zero.prefetch_bucket_size, zero.max_live_parameters, zero.max_reuse_distance
-        )
-        self.zero_states = gather.zero_states(model.parameters())  # every ZeRO parameter, by ds_id
-        self.persistent = persistent_states(
-            model, zero.param_persistence_threshold, zero.model_persistence_threshold
-        )
-        mark_persistent(self.persistent)
+        # Stages 0-2 keep full parameters (stage_1_and_2.py's note); stage 3 partitions them.
+        self.partitions_weights = self._config.zero_optimization_stage == 3
+        self.coordinator: Optional[ParameterCoordinator] = None
+        self.replicated: dict = {}  # stages 0-2: id(param) -> ReplicatedShard
+        self.zero_states: list = []  # stage 3: every ZeRO parameter, by ds_id
+        self.persistent: list = []  # stage 3: parameters that stay gathered
+        if self.partitions_weights:
+            self._prepare_module()
+            self.coordinator = ParameterCoordinator(
+                model, zero.prefetch_bucket_size, zero.max_live_parameters, zero.max_reuse_distance
+            )
+            self.zero_states = gather.zero_states(model.parameters())
+            self.persistent = persistent_states(
+                model, zero.param_persistence_threshold, zero.model_persistence_threshold
+            )
+            mark_persistent(self.persistent)
+        else:
+            self._prepare_replicated_module()
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
@@ -81,21 +95,32 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     # ------------------------------------------------------------------ set-up
 
     def _prepare_module(self) -> None:
-        from deepspeed.accelerator import get_accelerator
 
-        stage = self._config.zero_optimization_stage
-        if stage != 3:
-            logger.warning(f"zero_optimization.stage={stage}: running on the stage-3 engine (same results)")
         plain = [p for p in self.module.parameters() if not is_zero_param(p)]
         if plain:
             # A model not built under zero.Init: partition it now, in the training dtype.
             Init(module=self.module, dtype=self.dtype, config_dict_or_path=self._config._param_dict)
         cast_partitioned(self.module, self.dtype)  # parts built under an Init of another dtype
+        self._cast_in_place(self.module.buffers())
+
+    def _prepare_replicated_module(self) -> None:
+        """Stages 0-2: full parameters and buffers in the training dtype, on the device."""
+        refused = refuse_partitioned(self.module, self._config.zero_optimization_stage)
+        if refused:
+            raise ValueError(refused)
+        self._cast_in_place(self.module.parameters())
+        self._cast_in_place(self.module.buffers())
+        self.replicated = make_replicated_shards(self.module)
+
+    def _cast_in_place(self, tensors) -> None:
+        """Floating tensors to the training dtype, all to the device, in place: aliases follow."""
+        from deepspeed.accelerator import get_accelerator
+
         device = torch.device(get_accelerator().current_device_name())
-        for buf in self.module.buffers():
-            target = self.dtype if buf.is_floating_point() else buf.dtype
-            # In place, so every alias of the buffer (tied, or held by user code) follows.
-            buf.data = buf.data.to(device=device, dtype=target)
+        for t in tensors:
+            target = self.dtype if t.is_floating_point() else t.dtype
+            if t.device != device or t.dtype != target:
+                t.data = t.data.to(device=device, dtype=target)
 
     def _settle_live_gathers(self) -> None:
         """Before a step or a save: refuse pass holds, settle live gathers.
@@ -106,6 +131,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         from them. With `zero_optimization.enable_sanity_checks`, a non-persistent parameter
         that is gathered with no owner at all is an error too: nothing would ever free it.
         """
+        if self.coordinator is None:
+            return  # stages 0-2: parameters are never gathered
         leaked = self.coordinator.pass_holds()
         if leaked:
             raise RuntimeError(
@@ -133,7 +160,22 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     def _build_optimizer(self, client: Any, model_parameters: Any) -> Optional[ZeroStage3Optimizer]:
         if client is None and self._config.optimizer_name is None:
             return None  # an inference engine: forward gathers and releases, nothing trains
-        return ZeroStage3Optimizer(self.module, self._config, client, model_parameters)
+        offload = self._config.zero_config.offload_optimizer
+        on_cpu = offload is not None and offload.device == "cpu"
+        placement = {
+            "master_device": torch.device("cpu") if on_cpu else None,
+            "pin_masters": on_cpu and offload.pin_memory,
+        }
+        if self.partitions_weights:
+            return ZeroStage3Optimizer(self.module, self._config, client, model_parameters, **placement)
+        return ZeroStage3Optimizer(
+            self.module,
+            self._config,
+            client,
+            model_parameters,
+            state_of=lambda p: self.replicated.get(id(p)),
+            **placement,
+        )
 
     def _build_scheduler(self, client: Any) -> Any:
         if client is not None:
@@ -158,8 +200,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     def _install_grad_hooks(self) -> list:
         self.reducer = GradientReducer.from_config(self._config, self.optimizer.grad_shard)
         handles = []
-        for state in self.optimizer.states:
-            handles.append(state.param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        if self.zero_optimization_partition_gradients():  # stages 2 and 3 reduce during backward
+            for state in self.optimizer.states:
+                handles.append(state.param.register_post_accumulate_grad_hook(self._on_grad_ready))
         untrained = self.optimizer.untrained(self.module)
         if untrained and dist.get_rank() == 0:
             # [Note: whose param groups train] in stage3.py: their gradients are dropped.
@@ -177,7 +220,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         grad, param.grad = param.grad, None  # the full gradient lives only until it is packed
-        self.reducer.add(param._zero_state, grad)
+        self.reducer.add(self.optimizer.state_of(param), grad)
 
     @staticmethod
     def _drop_grad(param: nn.Parameter) -> None:
@@ -204,7 +247,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         try:
             scaled.backward(retain_graph=retain_graph)
         finally:
-            self.coordinator.finish_backward()
+            if self.coordinator is not None:
+                self.coordinator.finish_backward()
         self.reducer.flush()
         return loss
 
@@ -223,16 +267,28 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             )
         if self.is_gradient_accumulation_boundary():
             self._settle_live_gathers()
+            if not self.zero_optimization_partition_gradients():  # stages 0-1: gradients accumulated whole
+                reduce_accumulated_grads(self.optimizer.states, self.reducer)
             stepped = self.optimizer.step()
-            # Whatever stays gathered across the step (persistent parameters, a live
-            # GatheredParameters) is re-gathered, so no gathered tensor keeps old values.
-            gather.refresh_gathered(self.zero_states)
+            self._refresh_full_params()
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.optimizer.zero_grad()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
         self.micro_steps += 1
+
+    def _refresh_full_params(self) -> None:
+        """After the shards changed (a step, a load): every full tensor must show them.
+
+        Stage 3 re-gathers whatever stays gathered (persistent parameters, a live
+        GatheredParameters), so no gathered tensor keeps old values; stages 0-2 gather every
+        rank's updated slices back into the full parameters.
+        """
+        if self.partitions_weights:
+            gather.refresh_gathered(self.zero_states)
+        elif self.optimizer is not None:
+            gather.gather_into_params(self.optimizer.states, self._config.zero_config.allgather_bucket_size)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:
@@ -263,7 +319,13 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         return self._config.zero_optimization_stage
 
     def zero_optimization(self) -> bool:
-        return True
+        return self._config.zero_optimization_stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self._config.zero_optimization_stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.partitions_weights
 
     @property
     def local_rank(self) -> int:
@@ -281,7 +343,129 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
 
     def destroy(self) -> None:
         """Remove every hook the engine installed; parameters stay partitioned."""
-        self.coordinator.remove_hooks()
+        if self.coordinator is not None:
+            self.coordinator.remove_hooks()
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
+
+    # ================================================================== upstream API surface
+    # Queries and small controls clients call on an engine (HF transformers, accelerate,
+    # Lightning, upstream's tests). Nothing here changes how a step trains.
+
+    def __getattr__(self, name: str) -> Any:
+        """Parameters, buffers and submodules as nn.Module; else the wrapped module's attribute.
+
+        Upstream engines answer `engine.some_model_attribute` from the wrapped model; dunder
+        names are never forwarded (copy and pickle probe them on the instance).
+        """
+        try:
+            return super().__getattr__(name)  # nn.Module's: _parameters, _buffers, _modules
+        except AttributeError:
+            pass
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is None or (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"neither '{type(self).__name__}' nor its wrapped module '{type(module).__name__}' has "
+                f"an attribute {name!r}"
+            ) from None
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because fp16 gradients overflowed."""
+        return getattr(self.optimizer, "skipped_steps", 0)
+
+    def was_step_applied(self) -> bool:
+        """Whether the latest `step()` updated the parameters: False off an accumulation
+        boundary (no optimizer step ran) and when an fp16 overflow skipped it."""
+        if self.optimizer is None or self.micro_steps == 0:
+            return False
+        if self._boundary_override is not None:
+            last_was_boundary = self._boundary_override
+        else:
+            last_was_boundary = self.micro_steps % self.gradient_accumulation_steps() == 0
+        return bool(last_was_boundary and getattr(self.optimizer, "last_step_applied", False))
+
+    def fp16_enabled(self) -> bool:
+        return bool(self._config.fp16_enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self._config.bfloat16_enabled)
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in: the config's `communication_data_type`, else the training dtype."""
+        if self._config.communication_data_type is not None:
+            return self._config.communication_data_type
+        return _train_dtype(self._config)
+
+    def zero_offload_optimizer(self) -> Any:
+        """The `zero_optimization.offload_optimizer` block (None when not offloading)."""
+        return self._config.zero_config.offload_optimizer
+
+    def zero_offload_param(self) -> Any:
+        """The `zero_optimization.offload_param` block (None when not offloading)."""
+        return self._config.zero_config.offload_param
+
+    def get_mom(self) -> list:
+        """Per param group: Adam's `betas`, else SGD's `momentum` (upstream's choice)."""
+        if self.optimizer is None:
+            return []
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
+
+    def module_state_dict(
+        self,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        exclude_frozen_parameters: bool = False,
+    ) -> dict:
+        """The wrapped module's `state_dict` (partitioned parameters appear as their shape-[0]
+        placeholders, as upstream; `_zero3_consolidated_16bit_state_dict` gathers them)."""
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters():
+                if not param.requires_grad:
+                    sd.pop(prefix + name, None)
+        return sd
+
+    def empty_partition_cache(self) -> None:
+        """Free every gathered parameter nobody holds, persistent ones included (local, no collective).
+
+        For after `generate` or evaluation. Persistent parameters are gathered again by the
+        next forward that needs them; a live `GatheredParameters` keeps its parameters.
+        """
+        coordinator = getattr(self, "coordinator", None)
+        if coordinator is not None and coordinator.pass_holds():
+            raise RuntimeError(
+                "engine.empty_partition_cache() was called during a forward or backward; call it between passes"
+            )
+        for state in getattr(self, "zero_states", []):
+            if state.status is ZeroParamStatus.AVAILABLE and not state.holds:
+                state.to_released()
+
+    def no_sync(self):
+        """Upstream's context for accumulating gradients without reducing them.
+
+        ZeRO stages 2 and 3 partition gradients, which needs the reduction: refused, as
+        upstream (accelerate only enters it below stage 2). At stages 0 and 1 the body runs
+        and gradients are reduced as usual: reducing each micro-step's gradient and summing,
+        or summing and reducing once, gives the same result.
+        """
+        stage = self.zero_optimization_stage()
+        if stage >= 2:
+            raise RuntimeError(
+                f"engine.no_sync() is incompatible with gradient partitioning at ZeRO stage {stage}; "
+                "use it only at stages 0 and 1"
+            )
+        import contextlib
+
+        return contextlib.nullcontext()

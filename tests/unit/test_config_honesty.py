@@ -70,6 +70,7 @@ READERS = {
 # A realistic refused value per key where the generic one would not show the point.
 SAMPLES = {
     "zero_optimization.offload_param.device": "nvme",
+    "zero_optimization.offload_optimizer.device": "nvme",
     "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
     "tensorboard": {"enabled": True, "output_path": "runs"},
     "aio": {"block_size": 262144},
@@ -78,7 +79,10 @@ SAMPLES = {
     "seq_parallel_communication_data_type": "bf16",
 }
 # Keys that a refused sample needs beside it, to get past other validation first.
-SAMPLE_SIBLINGS = {"zero_optimization.offload_param.device": {"nvme_path": "/tmp/nvme"}}
+SAMPLE_SIBLINGS = {
+    "zero_optimization.offload_param.device": {"nvme_path": "/tmp/nvme"},
+    "zero_optimization.offload_optimizer.device": {"nvme_path": "/tmp/nvme"},
+}
 
 
 def _nested_model(annotation) -> type | None:
@@ -215,10 +219,13 @@ def test_assignment_after_parsing_is_checked():
         cfg.zero_config.mics_shard_size = 4
 
 
-def test_named_offload_optimizer_refusal():
+def test_offload_optimizer_to_cpu_parses_and_nvme_is_refused():
     cfg = _config_with("zero_optimization.offload_optimizer", {"device": "cpu", "pin_memory": True})
-    with pytest.raises(ValueError, match=r"offload_optimizer\.device='cpu'.*not implemented yet.*'none'"):
-        DeepSpeedConfig(cfg)
+    block = DeepSpeedConfig(cfg).zero_config.offload_optimizer
+    assert block.device == "cpu" and block.pin_memory
+    nvme = _config_with("zero_optimization.offload_optimizer", {"device": "nvme", "nvme_path": "/tmp/nvme"})
+    with pytest.raises(ValueError, match=r"offload_optimizer\.device='nvme'.*not implemented.*'cpu' or 'none'"):
+        DeepSpeedConfig(nvme)
 
 
 # ----------------------------------------------------------------------------------------

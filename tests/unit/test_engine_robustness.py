@@ -331,3 +331,93 @@ class TestEngineRobustness(DistributedTest):
             engine.step()
         state.hold("test")
         gather.release_states([state], "test")
+
+
+class TestReplicatedStages(DistributedTest):
+    """Stages 1 and 2 keep full parameters; only this rank's slices exist for the optimizer."""
+
+    world_size = [2]
+
+    @pytest.mark.parametrize("stage", [0, 1, 2])
+    def test_full_parameters_sharded_state_and_when_gradients_reduce(self, stage):
+        zero = {"stage": stage, "reduce_bucket_size": 200}
+        engine, reference = twin(OutsideUses, zero_optimization=zero)
+        model = engine.module
+        assert not any(hasattr(p, "ds_id") for p in model.parameters())  # HF reads ds_id as ZeRO-3
+        assert engine.zero_optimization_stage() == stage and not engine.zero_optimization_partition_weights()
+        assert engine.zero_optimization_partition_gradients() == (stage == 2)
+        masters = engine.optimizer.masters
+        total = sum(p.numel() for p in model.parameters())
+        assert sum(m.numel() for m in masters.values()) == sum(
+            -(-p.numel() // dist.get_world_size()) for p in model.parameters()
+        )  # ceil(numel / ws) per parameter, not numel
+        assert sum(m.numel() for m in masters.values()) < total
+        x, y = make_data(1, (WIDTH,))[0]
+        loss = F.mse_loss(engine(my_rows(x)), my_rows(y))
+        engine.backward(loss)
+        full_grads = [p for p in model.parameters() if p.grad is not None]
+        if stage == 2:
+            assert not full_grads  # reduce-scattered during backward
+        else:
+            assert model.head.weight.grad is not None  # accumulated whole, reduced once at the step
+            assert model.head.weight.grad.shape == model.head.weight.shape
+        engine.step()
+        assert all(p.grad is None for p in model.parameters())
+        data = make_data(3, (WIDTH,), seed=1)
+        ref_losses = reference_losses(reference, [(x, y)] + data)[1:]
+        losses = engine_losses(engine, data)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=5e-5, msg=name)
+
+    def test_a_model_built_under_init_is_refused_at_stage_2(self):
+        with deepspeed.zero.Init():
+            model = OutsideUses()
+        with pytest.raises(ValueError, match="stage=2 keeps full parameters"):
+            deepspeed.initialize(model=model, config=sgd_config(zero_optimization={"stage": 2}))
+
+
+class TestOptimizerOffload(DistributedTest):
+    """offload_optimizer: masters, gradient slices and optimizer state on the CPU, at every stage."""
+
+    world_size = [2]
+
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_adam_config_steps_with_cpu_adam_on_cpu_masters(self, stage):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        zero = {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "cpu"},
+        }
+        adam = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+        engine, reference = twin(OutsideUses, zero_optimization=zero, optimizer=adam, bf16={"enabled": True})
+        assert isinstance(engine.optimizer.optimizer, DeepSpeedCPUAdam)
+        x, y = make_data(1, (WIDTH,))[0]
+        for _ in range(2):
+            loss = F.mse_loss(engine(my_rows(x).bfloat16()).float(), my_rows(y))
+            engine.backward(loss)
+            engine.step()
+        masters = list(engine.optimizer.masters.values())
+        assert all(m.device.type == "cpu" and m.dtype == torch.float32 for m in masters)
+        states = [t for s in engine.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        assert states and all(t.device.type == "cpu" for t in states)
+        assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+        assert torch.isfinite(loss)
+
+    def test_a_client_optimizer_needs_the_opt_in(self):
+        torch.manual_seed(0)
+        model = OutsideUses()
+        zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+        cfg = sgd_config(zero_optimization=zero)
+        del cfg["optimizer"]
+        with pytest.raises(ValueError, match="zero_force_ds_cpu_optimizer"):
+            deepspeed.initialize(
+                model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg
+            )
+        with pytest.raises(ValueError, match="nvme"):
+            deepspeed.initialize(
+                model=model,
+                config=sgd_config(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}),
+            )

@@ -55,12 +55,12 @@ def recorded(case: str):
         raise
 
 
-def zero_config(micro: int, gas: int = 1, **extra: Any) -> dict:
+def zero_config(micro: int, gas: int = 1, stage: int = 3, **extra: Any) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "zero_optimization": {
-            "stage": 3,
+            "stage": stage,
             "stage3_param_persistence_threshold": 0,
             "reduce_bucket_size": 500,
         },
@@ -93,6 +93,14 @@ class Case:
     bf16: bool = False
     between: Optional[Callable[[nn.Module, int], Optional[torch.Tensor]]] = None
     config_extra: dict = field(default_factory=dict)
+    stage: int = 3  # the ZeRO stage; stages 1-2 keep full parameters (never under_init)
+    offload: bool = False  # offload_optimizer to the CPU (masters, gradients and state)
+
+    def __post_init__(self) -> None:
+        if self.stage != 3:
+            self.name = f"{self.name}@stage{self.stage}"
+        if self.offload:
+            self.name = f"{self.name}+offload"
 
     def micro_batches(self, ws: int) -> list:
         """Global data: `[step][micro][rank]` micro-batches, identical on every rank."""
@@ -110,7 +118,11 @@ class Case:
             extra["gradient_clipping"] = self.clip
         if self.bf16:
             extra["bf16"] = {"enabled": True}
-        return zero_config(micro, self.gas, **extra)
+        if self.offload:
+            # A torch SGD / client optimizer steps the CPU masters (upstream asks for this opt-in).
+            extra["zero_optimization"] = {"offload_optimizer": {"device": "cpu"}}
+            extra["zero_force_ds_cpu_optimizer"] = False
+        return zero_config(micro, self.gas, self.stage, **extra)
 
     def reference_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         if self.optimizer is not None:

@@ -12,6 +12,8 @@ from tests.zoo import models as zm
 from tests.zoo.harness import Case, check_parity, gathered
 
 pytestmark = pytest.mark.zoo
+# Every case that does not build under zero.Init runs at each stage (stages 1-2: full parameters).
+ALL_STAGES = pytest.mark.parametrize("stage", [1, 2, 3])
 
 # [Note: bf16 tolerance]
 # The bf16 engine keeps bf16 parameters and activations with fp32 masters; the reference
@@ -29,55 +31,66 @@ class TestZooModels(DistributedTest):
     world_size = 2
     timeout_s = 240.0
 
-    def test_resnet_batchnorm_inplace_relu_residual(self):
-        check_parity(Case("resnet_bn", zm.TinyResNet, zm.image_batch, zm.classifier_loss, lr=0.05))
+    @ALL_STAGES
+    def test_resnet_batchnorm_inplace_relu_residual(self, stage):
+        check_parity(Case("resnet_bn", zm.TinyResNet, zm.image_batch, zm.classifier_loss, lr=0.05, stage=stage))
 
     def test_vit_trunc_normal_reinit_under_zero_init(self):
         case = Case("vit_trunc_normal_init", zm.TinyViT, zm.image_batch, zm.classifier_loss, under_init=True)
         check_parity(case)  # the parent's trunc_normal_ (std 0.2) must reach the partitioned children
 
-    def test_gpt2(self):
-        check_parity(Case("gpt2", zm.gpt2, zm.token_batch, zm.hf_causal_loss))
+    @ALL_STAGES
+    def test_gpt2(self, stage):
+        check_parity(Case("gpt2", zm.gpt2, zm.token_batch, zm.hf_causal_loss, stage=stage))
 
     def test_gpt2_under_zero_init(self):
         check_parity(Case("gpt2_zero_init", zm.gpt2, zm.token_batch, zm.hf_causal_loss, under_init=True))
 
-    def test_llama(self):
-        check_parity(Case("llama", zm.llama, zm.token_batch, zm.hf_causal_loss))
+    @ALL_STAGES
+    def test_llama(self, stage):
+        check_parity(Case("llama", zm.llama, zm.token_batch, zm.hf_causal_loss, stage=stage))
 
-    def test_llama_gradient_checkpointing(self):
+    @ALL_STAGES
+    def test_llama_gradient_checkpointing(self, stage):
         def build():
             model = zm.llama()
             model.gradient_checkpointing_enable()
             return model
 
-        check_parity(Case("llama_grad_ckpt", build, zm.token_batch, zm.hf_causal_loss))
+        check_parity(Case("llama_grad_ckpt", build, zm.token_batch, zm.hf_causal_loss, stage=stage))
 
-    def test_bert_masked_lm(self):
-        check_parity(Case("bert_mlm", zm.bert_mlm, zm.mlm_batch, zm.hf_mlm_loss))
+    @ALL_STAGES
+    def test_bert_masked_lm(self, stage):
+        check_parity(Case("bert_mlm", zm.bert_mlm, zm.mlm_batch, zm.hf_mlm_loss, stage=stage))
 
-    def test_t5_shared_embeddings(self):
-        got, _ = check_parity(Case("t5", zm.t5, zm.seq2seq_batch, zm.hf_seq2seq_loss))
+    @ALL_STAGES
+    def test_t5_shared_embeddings(self, stage):
+        got, _ = check_parity(Case("t5", zm.t5, zm.seq2seq_batch, zm.hf_seq2seq_loss, stage=stage))
         module = got.model
         assert module.encoder.embed_tokens.weight is module.shared.weight
         assert module.decoder.embed_tokens.weight is module.shared.weight
 
-    def test_multihead_attention(self):
-        check_parity(Case("multihead_attention", zm.MHAModel, zm.token_batch, zm.lm_loss))
+    @ALL_STAGES
+    def test_multihead_attention(self, stage):
+        check_parity(Case("multihead_attention", zm.MHAModel, zm.token_batch, zm.lm_loss, stage=stage))
 
-    def test_lstm(self):
-        check_parity(Case("lstm", lambda: zm.RNNModel("lstm"), zm.token_batch, zm.lm_loss, lr=0.5))
+    @ALL_STAGES
+    def test_lstm(self, stage):
+        check_parity(Case("lstm", lambda: zm.RNNModel("lstm"), zm.token_batch, zm.lm_loss, lr=0.5, stage=stage))
 
-    def test_gru(self):
-        check_parity(Case("gru", lambda: zm.RNNModel("gru"), zm.token_batch, zm.lm_loss, lr=0.5))
+    @ALL_STAGES
+    def test_gru(self, stage):
+        check_parity(Case("gru", lambda: zm.RNNModel("gru"), zm.token_batch, zm.lm_loss, lr=0.5, stage=stage))
 
-    def test_embedding_padding_idx(self):
+    @ALL_STAGES
+    def test_embedding_padding_idx(self, stage):
         got, _ = check_parity(
-            Case("embedding_padding_idx", zm.PaddedEmbeddingModel, zm.padded_token_batch, zm.lm_loss)
+            Case("embedding_padding_idx", zm.PaddedEmbeddingModel, zm.padded_token_batch, zm.lm_loss, stage=stage)
         )
         assert torch.all(gathered(got.model)["embed.weight"][0] == 0)  # the padding row never trains
 
-    def test_bf16_gpt2_vs_autocast(self):
-        case = Case("bf16_gpt2_vs_autocast", zm.gpt2, zm.token_batch, zm.hf_causal_loss, bf16=True)
+    @ALL_STAGES
+    def test_bf16_gpt2_vs_autocast(self, stage):
+        case = Case("bf16_gpt2_vs_autocast", zm.gpt2, zm.token_batch, zm.hf_causal_loss, bf16=True, stage=stage)
         got, _ = check_parity(case, loss_rtol=BF16_LOSS_RTOL, param_atol=BF16_PARAM_ATOL, check_buffers=False)
-        assert next(got.model.parameters()).ds_tensor.dtype == torch.bfloat16
+        assert next(got.model.parameters()).dtype == torch.bfloat16

@@ -30,6 +30,10 @@ from tests.zoo.harness import (
 )
 
 pytestmark = pytest.mark.zoo
+# Cases whose parameters are not built under zero.Init nor edited through GatheredParameters
+# run at each stage (stages 1-2 keep full parameters), with and without optimizer offload.
+ALL_STAGES = pytest.mark.parametrize("stage", [1, 2, 3])
+AND_OFFLOAD = pytest.mark.parametrize("offload", [False, True])
 
 
 def token_mlp_case(name, **kwargs) -> Case:
@@ -69,23 +73,30 @@ class TestZooTraining(DistributedTest):
     world_size = 2
     timeout_s = 240.0
 
-    def test_activation_checkpoint_reentrant(self):
+    @ALL_STAGES
+    def test_activation_checkpoint_reentrant(self, stage):
         build_fn = lambda: zm.TokenMLP(use_reentrant=True)  # noqa: E731
-        check_parity(token_mlp_case("act_ckpt_reentrant", build=build_fn, steps=4))
+        check_parity(token_mlp_case("act_ckpt_reentrant", build=build_fn, steps=4, stage=stage))
 
-    def test_activation_checkpoint_non_reentrant(self):
+    @ALL_STAGES
+    @AND_OFFLOAD
+    def test_activation_checkpoint_non_reentrant(self, stage, offload):
         build_fn = lambda: zm.TokenMLP(use_reentrant=False)  # noqa: E731
-        check_parity(token_mlp_case("act_ckpt_non_reentrant", build=build_fn, steps=4))
+        check_parity(token_mlp_case("act_ckpt_non_reentrant", build=build_fn, steps=4, stage=stage, offload=offload))
 
-    def test_frozen_parameters(self):
-        case = token_mlp_case("frozen_params", build=zm.frozen_token_mlp)
+    @ALL_STAGES
+    @AND_OFFLOAD
+    def test_frozen_parameters(self, stage, offload):
+        case = token_mlp_case("frozen_params", build=zm.frozen_token_mlp, stage=stage, offload=offload)
         got, _ = check_parity(case)
         init, final = initial_params(case), gathered(got.model)
         frozen = [n for n, p in got.model.named_parameters() if not p.requires_grad]
         assert frozen and all(torch.equal(final[n], init[n]) for n in frozen)
 
-    def test_client_optimizer_on_a_subset(self):
-        case = token_mlp_case("client_optimizer_subset", optimizer=head_only)
+    @ALL_STAGES
+    @AND_OFFLOAD
+    def test_client_optimizer_on_a_subset(self, stage, offload):
+        case = token_mlp_case("client_optimizer_subset", optimizer=head_only, stage=stage, offload=offload)
         got, _ = check_parity(case)
         init, final = initial_params(case), gathered(got.model)
         moved = [n for n in init if not n.startswith("head.") and not torch.equal(final[n], init[n])]
@@ -95,30 +106,43 @@ class TestZooTraining(DistributedTest):
         kept = [n for n, p in got.model.named_parameters() if p.grad is not None]
         assert not kept, f"full .grad kept on {kept}"
 
-    def test_two_param_groups_lr_and_weight_decay(self):
-        got, _ = check_parity(token_mlp_case("two_param_groups", optimizer=decay_groups))
+    @ALL_STAGES
+    @AND_OFFLOAD
+    def test_two_param_groups_lr_and_weight_decay(self, stage, offload):
+        got, _ = check_parity(token_mlp_case("two_param_groups", optimizer=decay_groups, stage=stage, offload=offload))
         lrs = sorted(g["lr"] for g in got.engine.optimizer.param_groups)
         assert lrs == [0.05, 0.2]
 
-    def test_gradient_accumulation_2(self):
-        got, _ = check_parity(token_mlp_case("grad_accum_2", gas=2))
+    @ALL_STAGES
+    @AND_OFFLOAD
+    def test_gradient_accumulation_2(self, stage, offload):
+        got, _ = check_parity(token_mlp_case("grad_accum_2", gas=2, stage=stage, offload=offload))
         assert got.engine.global_steps == 3 and got.engine.micro_steps == 6
 
-    def test_gradient_accumulation_4(self):
-        got, _ = check_parity(token_mlp_case("grad_accum_4", gas=4))
+    @ALL_STAGES
+    def test_gradient_accumulation_4(self, stage):
+        got, _ = check_parity(token_mlp_case("grad_accum_4", gas=4, stage=stage))
         assert got.engine.global_steps == 3 and got.engine.micro_steps == 12
 
-    def test_gradient_clipping(self):
-        case = token_mlp_case("grad_clipping", clip=0.05)
+    @ALL_STAGES
+    @AND_OFFLOAD
+    def test_gradient_clipping(self, stage, offload):
+        case = token_mlp_case("grad_clipping", clip=0.05, stage=stage, offload=offload)
         got, ref = check_parity(case)
         assert min(ref.grad_norms) > case.clip  # clipping triggered at every step
         torch.testing.assert_close(
             torch.tensor(got.grad_norms), torch.tensor(ref.grad_norms), rtol=1e-4, atol=0
         )
 
-    def test_eval_and_generate_between_steps(self):
+    @ALL_STAGES
+    def test_eval_and_generate_between_steps(self, stage):
         case = Case(
-            "eval_generate_between", zm.gpt2, zm.token_batch, zm.hf_causal_loss, between=eval_and_generate
+            "eval_generate_between",
+            zm.gpt2,
+            zm.token_batch,
+            zm.hf_causal_loss,
+            between=eval_and_generate,
+            stage=stage,
         )
         check_parity(case)
 

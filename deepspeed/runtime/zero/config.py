@@ -49,8 +49,11 @@ def _cpu_offload_to_block(value: Any) -> Optional[dict[str, Any]]:
 
 _PIN_MEMORY_KEY = "cpu_offload_use_pin_memory"
 
-# Stage-1/2 knobs: every ZeRO stage runs on the stage-3 machinery here (see engine.py).
-_STAGE12 = "a stage-1/2 tuning knob; every stage runs on the stage-3 machinery here, with the same results"
+# Stage-1/2 communication knobs (see stage_1_and_2.py): the results are the same either way.
+_STAGE12 = (
+    "a stage-1/2 communication knob; stages 1-2 here always reduce-scatter gradients and all-gather "
+    "the updated slices in allgather_bucket_size buckets, with the same results"
+)
 
 
 def _refuse(what: str, instead: str) -> Unsupported:
@@ -111,9 +114,9 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         "reduce_scatter": _STAGE12 + " (gradients are always reduce-scattered)",
         "use_multi_rank_bucket_allreduce": _STAGE12,
         "allgather_partitions": _STAGE12,
-        "allgather_bucket_size": _STAGE12 + " (stage3_prefetch_bucket_size bounds gathers)",
         "elastic_checkpoint": "checkpoints always load on any number of ranks, as if true",
-        "round_robin_gradients": "applies only with offload_optimizer, which is refused",
+        "round_robin_gradients": "upstream's order of CPU gradient copies under offload; here each "
+        "rank copies its own gradient slices as they are reduced, with the same results",
         "sub_group_size": "the optimizer step is element-wise over each rank's fp32 shards and needs "
         "no flat sub-group buffers, so every value gives upstream's results with no buffer to bound",
         "memory_efficient_linear": "torch's linear already saves only its input for backward, not "

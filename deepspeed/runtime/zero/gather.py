@@ -131,14 +131,34 @@ def refresh_gathered(states: list) -> None:
     After an optimizer step, parameters that stay gathered (persistent ones, or ones a live
     holder keeps) must see the new shards.
     """
-    live = [s for s in states if s.status is ZeroParamStatus.AVAILABLE]
-    if not live:
+    gather_into_params([s for s in states if s.status is ZeroParamStatus.AVAILABLE])
+
+
+def gather_into_params(states: list, bucket_elems: int = 0) -> None:
+    """All-gather the shards of `states` and copy each full tensor into `state.param.data`, in place.
+
+    One collective per (group, dtype) bucket, cut at `bucket_elems` gathered elements when
+    given (stages 1 and 2: `allgather_bucket_size`), so the temporary output stays bounded.
+    """
+    if not states:
         return
     device = _compute_device()
-    for bucket in _buckets_by_group_and_dtype(live):
-        flat_out, _ = _all_gather_shards(bucket, device, async_op=False)
-        for s, full in zip(bucket, _cut_full_tensors(flat_out, bucket)):
-            s.param.data.copy_(full)
+    for same in _buckets_by_group_and_dtype(states):
+        chunk, elems = [], 0
+        for s in same:
+            chunk.append(s)
+            elems += s.world_size * s.partition_size
+            if bucket_elems and elems >= bucket_elems:
+                _gather_chunk_into_params(chunk, device)
+                chunk, elems = [], 0
+        if chunk:
+            _gather_chunk_into_params(chunk, device)
+
+
+def _gather_chunk_into_params(states: list, device: torch.device) -> None:
+    flat_out, _ = _all_gather_shards(states, device, async_op=False)
+    for s, full in zip(states, _cut_full_tensors(flat_out, states)):
+        s.param.data.copy_(full)
 
 
 class GatherHandle:

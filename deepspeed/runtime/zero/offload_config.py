@@ -41,14 +41,8 @@ def _nvme_only(what: str) -> Unsupported:
     return Unsupported(f"{what} serves NVMe offload, which is not implemented; remove the key")
 
 
-_NO_OPTIMIZER_OFFLOAD = (
-    "optimizer offload is not implemented yet (a ZeRO-3 step keeps optimizer state beside the fp32 "
-    "master shards on the accelerator); remove offload_optimizer or set its device to 'none'"
-)
-
-
-def _optimizer_offload_only(what: str) -> Unsupported:
-    return Unsupported(f"{what} belongs to optimizer offload; " + _NO_OPTIMIZER_OFFLOAD)
+def _nvme_optimizer_only(what: str) -> Unsupported:
+    return Unsupported(f"{what} serves NVMe optimizer offload, which is not implemented; remove the key")
 
 
 def _require_nvme_path(device: OffloadDeviceEnum, nvme_path: Optional[Path], block: str) -> None:
@@ -101,26 +95,24 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
 class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     """`zero_optimization.offload_optimizer`: keep optimizer state (and its step) on the CPU.
 
-    Valid with stages 1, 2 and 3 upstream. Not implemented here yet: only ``device: "none"``
-    (the default, what accelerate writes when offload is off) parses.
+    Valid with stages 1, 2 and 3. With ``device: "cpu"`` the fp32 master slices, their
+    gradients and the optimizer state live on the CPU (pinned with `pin_memory`, where the
+    accelerator pins) and the step runs there, with `DeepSpeedCPUAdam` for Adam/AdamW
+    configs; the accelerator then holds only the training-dtype parameters. NVMe is refused.
     """
 
     _unsupported: ClassVar[dict[str, Unsupported]] = {
-        "device": Unsupported(_NO_OPTIMIZER_OFFLOAD),
+        "device": Unsupported(
+            "NVMe optimizer offload is not implemented; use 'cpu' or 'none'",
+            lambda device: device != OffloadDeviceEnum.nvme,
+        ),
+        "ratio": Unsupported("partial optimizer offload (ratio < 1) is not implemented; use 1.0"),
         **{
-            name: _optimizer_offload_only(name)
-            for name in (
-                "nvme_path",
-                "buffer_count",
-                "pin_memory",
-                "pipeline_read",
-                "pipeline_write",
-                "fast_init",
-                "ratio",
-                "super_offload",
-                "cpuadam_cores_perc",
-            )
+            name: _nvme_optimizer_only(name)
+            for name in ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")
         },
+        "super_offload": Unsupported("SuperOffload is not implemented; remove the key"),
+        "cpuadam_cores_perc": Unsupported("SuperOffload's CPU core split is not implemented; remove the key"),
     }
 
     device: OffloadDeviceEnum = OffloadDeviceEnum.none

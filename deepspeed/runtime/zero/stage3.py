@@ -1,4 +1,7 @@
-"""The stage-3 optimizer: fp32 master shards, sharded steps, global-norm clipping, loss scaling.
+"""The ZeRO optimizer of every stage: fp32 master shards, sharded steps, global-norm clipping, loss scaling.
+
+Stage 3 shards partitioned parameters; stages 0-2 shard full ones (stage_1_and_2.py). With
+`offload_optimizer`, the masters, their gradients and the optimizer state live on the CPU.
 
 [Note: master shards]
 Each trainable ZeRO parameter gets an fp32 master copy of this rank's shard, an
@@ -23,14 +26,20 @@ every step) and warns at initialize, naming it.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+from deepspeed.runtime.zero.estimators import (  # noqa: F401 - upstream's import path
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
+)
 from deepspeed.runtime.zero.param_state import ZeroParamState, is_zero_param
 
 # Keys of the config's optimizer params that are upstream options, not torch arguments.
@@ -44,10 +53,21 @@ _UPSTREAM_ONLY_KEYS = (
 )
 
 
-def build_config_optimizer(name: str, params: dict, groups: list) -> torch.optim.Optimizer:
-    """A torch optimizer from the config's `optimizer` block (`type` Adam, AdamW or SGD)."""
+def build_config_optimizer(
+    name: str, params: dict, groups: list, offload: bool = False
+) -> torch.optim.Optimizer:
+    """A torch optimizer from the config's `optimizer` block (`type` Adam, AdamW or SGD).
+
+    With optimizer offload, Adam and AdamW step on the CPU with `DeepSpeedCPUAdam` (as
+    upstream), unless the block asks for `torch_adam`.
+    """
     kwargs = {k: v for k, v in (params or {}).items() if k not in _UPSTREAM_ONLY_KEYS}
     name = (name or "").lower()
+    if offload and name in ("adam", "adamw") and not (params or {}).get("torch_adam", False):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        adam_w = name == "adamw" or (params or {}).get("adam_w_mode", True)
+        return DeepSpeedCPUAdam(groups, adamw_mode=adam_w, **kwargs)
     if name == "adam":
         # Upstream's Adam defaults to decoupled weight decay (adam_w_mode=True), i.e. AdamW.
         adam_w = (params or {}).get("adam_w_mode", True)
@@ -66,11 +86,21 @@ def build_config_optimizer(name: str, params: dict, groups: list) -> torch.optim
     )
 
 
+def _is_cpu_adam(client: Any) -> bool:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return isinstance(client, DeepSpeedCPUAdam)
+
+
 def is_optimizer_instance(obj: Any) -> bool:
     """A built optimizer (its groups decide what trains), as opposed to a callable that builds one."""
     if isinstance(obj, torch.optim.Optimizer):
         return True
     return hasattr(obj, "param_groups") and hasattr(obj, "step") and not callable(obj)
+
+
+def _zero_state_of(param: nn.Parameter) -> Optional[ZeroParamState]:
+    return param._zero_state if is_zero_param(param) else None
 
 
 def _param_groups(module: nn.Module, model_parameters: Any) -> list:
@@ -81,7 +111,7 @@ def _param_groups(module: nn.Module, model_parameters: Any) -> list:
     return [{"params": source}]
 
 
-class ZeroStage3Optimizer:
+class ZeroStage3Optimizer(ZeROOptimizer):
     """Steps fp32 master shards; `param_groups` and `state` are the wrapped optimizer's."""
 
     def __init__(
@@ -91,8 +121,15 @@ class ZeroStage3Optimizer:
         client_optimizer: Any = None,
         model_parameters: Any = None,
         master_device: Optional[torch.device] = None,
+        state_of: Callable[[nn.Parameter], Any] = None,
+        pin_masters: bool = False,
     ) -> None:
         self.config = config
+        self.offload = master_device is not None  # masters, their grads and the state off the device
+        self.pin_masters = pin_masters
+        # param -> the object that owns its shard: a ZeroParamState (stage 3, the default) or
+        # a ReplicatedShard (stages 0-2, see stage_1_and_2.py); None for no shard.
+        self.state_of = state_of or _zero_state_of
         self.group = None
         self.masters: dict = {}  # ds_id -> fp32 master nn.Parameter [partition_size]
         self._master_versions: dict = {}  # ds_id -> the shard_version the master reflects
@@ -122,16 +159,17 @@ class ZeroStage3Optimizer:
         for index, group in enumerate(groups):
             masters = []
             for p in group["params"]:
-                if id(p) not in ours or not is_zero_param(p):
+                state = self.state_of(p) if id(p) in ours else None
+                if state is None and (id(p) not in ours or p.requires_grad):
                     raise ValueError(
                         f"optimizer param group {index} holds a tensor of shape {tuple(p.shape)} that is not a "
                         "parameter of the model passed to deepspeed.initialize; build the optimizer on the "
                         "model's parameters"
                     )
-                if not p.requires_grad or p.ds_id in seen:
+                if not p.requires_grad or state.ds_id in seen:
                     continue
-                seen.add(p.ds_id)
-                masters.append(self._make_master(p._zero_state, master_device))
+                seen.add(state.ds_id)
+                masters.append(self._make_master(state, master_device))
             out.append(dict(group, params=masters))
         return out
 
@@ -142,7 +180,10 @@ class ZeroStage3Optimizer:
             # (4 bytes per parameter less) and the write-back after a step has nothing to copy.
             master = nn.Parameter(state.shard.detach())
         else:
-            master = nn.Parameter(state.shard.detach().to(target, torch.float32, copy=True))
+            data = state.shard.detach().to(target, torch.float32, copy=True)
+            if self.pin_masters:
+                data = get_accelerator().pin_memory(data)
+            master = nn.Parameter(data)
         master.grad = None  # allocated by the first reduced gradient, freed after each step
         self.masters[state.ds_id] = master
         self._master_versions[state.ds_id] = state.shard_version
@@ -152,7 +193,15 @@ class ZeroStage3Optimizer:
 
     def _wrap_optimizer(self, client: Any, groups: list) -> torch.optim.Optimizer:
         if client is None:
-            return build_config_optimizer(self.config.optimizer_name, self.config.optimizer_params, groups)
+            return build_config_optimizer(
+                self.config.optimizer_name, self.config.optimizer_params, groups, self.offload
+            )
+        if self.offload and self.config.zero_force_ds_cpu_optimizer and not _is_cpu_adam(client):
+            raise ValueError(
+                f"zero_optimization.offload_optimizer steps on the CPU, but the client optimizer is "
+                f"{type(client).__name__}; pass deepspeed.ops.adam.DeepSpeedCPUAdam (or use the config's "
+                "optimizer block), or set zero_force_ds_cpu_optimizer: false to step it on the CPU anyway"
+            )
         if not is_optimizer_instance(client):
             if not callable(client):
                 raise TypeError(
@@ -172,7 +221,8 @@ class ZeroStage3Optimizer:
         """The fp32 gradient shard to accumulate into (allocated on first use in a step)."""
         master = self.masters[state.ds_id]
         if master.grad is None:
-            master.grad = torch.zeros_like(master)
+            grad = torch.zeros_like(master)
+            master.grad = get_accelerator().pin_memory(grad) if self.pin_masters else grad
         return master.grad
 
     @property
@@ -201,7 +251,11 @@ class ZeroStage3Optimizer:
 
     def untrained(self, module: nn.Module) -> list:
         """Names of `module`'s trainable parameters that no optimizer group holds."""
-        return [n for n, p in module.named_parameters() if p.requires_grad and p.ds_id not in self.masters]
+        return [
+            n
+            for n, p in module.named_parameters()
+            if p.requires_grad and self.state_of(p).ds_id not in self.masters
+        ]
 
     def _grads(self) -> list:
         return [m.grad for m in self.masters.values() if m.grad is not None]

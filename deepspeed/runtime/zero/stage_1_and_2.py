@@ -1,0 +1,109 @@
+"""ZeRO stages 1 and 2: full parameters on every rank, optimizer state (1) and gradients (2) sharded.
+
+[Note: the replicated layout]
+Stages 1 and 2 keep every parameter whole on every rank, so forward and backward run as in
+DDP, with no gather and no hooks. What is sharded is the optimizer's side. Each trainable
+parameter is cut by the same shard math as stage 3 (param_state's note), and this rank owns
+slice `rank` of every parameter: the `shard` of a `ReplicatedShard`, a view into one flat
+buffer per dtype, in parameter order. The fp32 masters and the optimizer state exist only
+for those slices (12/N bytes per parameter with Adam in fp32), and the stage-3 optimizer
+steps them unchanged, since a `ReplicatedShard` answers the same questions as a stage-3
+`ZeroParamState` (shard, sizes, group). Only two things differ between the stages:
+- when gradients are reduced: stage 2 reduce-scatters each gradient in buckets as soon as
+  autograd has produced it (the stage-3 `GradientReducer`), so a rank keeps only its
+  gradient slices; stage 1 (and 0) lets gradients accumulate whole in `param.grad`, as
+  DDP's `no_sync` does, and reduce-scatters them once per optimizer step, at the boundary;
+- who holds full parameters: after a step, every rank's updated slices are all-gathered
+  back into the parameters in place, one collective per `allgather_bucket_size` elements.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from deepspeed import comm as dist
+from deepspeed.runtime.zero.param_state import shard_sizes
+
+
+class ReplicatedShard:
+    """This rank's slice of one full (replicated) parameter, for stages 1 and 2."""
+
+    param: nn.Parameter  # full, on every rank
+    ds_id: int  # the parameter's index in `module.parameters()`: equal on every rank
+    shape: torch.Size
+    numel: int
+    group: Any  # the data-parallel group (None: the world)
+    world_size: int
+    rank: int
+    partition_size: int  # elements per rank, padding included
+    padding: int
+    shard: torch.Tensor  # 1D [partition_size], the parameter's dtype; a view into a flat buffer
+    shard_version: int  # stage-3 compatibility: edits never land in a replicated shard
+
+    def __init__(self, param: nn.Parameter, ds_id: int, group: Any, shard_out: torch.Tensor) -> None:
+        self.param = param
+        self.ds_id = ds_id
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.partition_size, self.padding = shard_sizes(self.numel, self.world_size)
+        self.shard = shard_out
+        self.shard_version = 0
+        self.copy_from_param()
+
+    def own_slice_bounds(self) -> tuple:
+        """`[start, end)` of this rank's real (non-padding) elements in the flat parameter."""
+        start = self.rank * self.partition_size
+        return min(start, self.numel), min(start + self.partition_size, self.numel)
+
+    @torch.no_grad()
+    def copy_from_param(self) -> None:
+        start, end = self.own_slice_bounds()
+        if end > start:
+            self.shard[: end - start].copy_(self.param.data.reshape(-1)[start:end])
+
+
+def make_replicated_shards(module: nn.Module, group: Any = None) -> dict:
+    """`id(param) -> ReplicatedShard` for every trainable parameter of `module` (see the note)."""
+    params = [(index, p) for index, p in enumerate(module.parameters()) if p.requires_grad]
+    world = dist.get_world_size(group)
+    by_key: dict = {}
+    for index, p in params:
+        by_key.setdefault((p.dtype, p.device), []).append((index, p))
+    shards: dict = {}
+    for (dtype, device), members in by_key.items():
+        sizes = [shard_sizes(p.numel(), world)[0] for _, p in members]
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        for (index, p), view in zip(members, torch.split(flat, sizes)):
+            shards[id(p)] = ReplicatedShard(p, index, group, view)
+    return shards
+
+
+def reduce_accumulated_grads(states: list, reducer: Any) -> None:
+    """Stage 1 (and 0), at a step: reduce-scatter each accumulated `param.grad`, then free it."""
+    for state in states:
+        grad = state.param.grad
+        if grad is None:
+            continue
+        state.param.grad = None
+        reducer.add(state, grad)
+    reducer.flush()
+
+
+def refuse_partitioned(module: nn.Module, stage: int) -> Optional[str]:
+    """An error message when `module` holds stage-3 partitioned parameters (built under zero.Init)."""
+    from deepspeed.runtime.zero.param_state import is_zero_param
+
+    names = [n for n, p in module.named_parameters() if is_zero_param(p)]
+    if not names:
+        return None
+    return (
+        f"zero_optimization.stage={stage} keeps full parameters on every rank, but {len(names)} parameters "
+        f"(first: {names[0]}) were partitioned by deepspeed.zero.Init; build the model without zero.Init "
+        "(or with Init(enabled=False)) for stages 0-2, or use stage 3"
+    )
