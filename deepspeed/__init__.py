@@ -2,10 +2,13 @@
 
 `import deepspeed` stays light: the engine, ZeRO and the comm layer are imported on first
 use through module-level ``__getattr__`` (PEP 562), so clients that only probe the version
-(HF transformers, accelerate, Lightning) pay nothing for them.
+(HF transformers, accelerate, Lightning) pay nothing for them. Every subpackage resolves the
+same way (`deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES` works after a bare
+`import deepspeed`): a name a client reaches must not depend on what else was imported.
 """
 
 import importlib
+import importlib.util
 
 from deepspeed.version import __version__
 
@@ -13,8 +16,12 @@ __all__ = [
     "__version__",
     "initialize",
     "init_distributed",
+    "init_inference",
+    "tp_model_init",
+    "add_config_arguments",
     "DeepSpeedEngine",
     "DeepSpeedConfig",
+    "DeepSpeedOptimizer",
     "zero",
     "comm",
     "accelerator",
@@ -22,30 +29,37 @@ __all__ = [
     "runtime",
     "ops",
     "checkpoint",
+    "checkpointing",
+    "launcher",
+    "pipe",
+    "moe",
+    "git_version_info",
 ]
 
 # attribute name -> (module, attribute in that module or None for the module itself)
 _LAZY = {
     "initialize": ("deepspeed.runtime.initialize", "initialize"),
     "init_distributed": ("deepspeed.comm", "init_distributed"),
+    "init_inference": ("deepspeed.runtime.not_provided", "init_inference"),
+    "tp_model_init": ("deepspeed.runtime.not_provided", "tp_model_init"),
+    "add_config_arguments": ("deepspeed.runtime.arguments", "add_config_arguments"),
     "DeepSpeedEngine": ("deepspeed.runtime.engine", "DeepSpeedEngine"),
     "DeepSpeedConfig": ("deepspeed.runtime.config", "DeepSpeedConfig"),
-    "zero": ("deepspeed.zero", None),
-    "comm": ("deepspeed.comm", None),
-    "accelerator": ("deepspeed.accelerator", None),
-    "utils": ("deepspeed.utils", None),
-    "runtime": ("deepspeed.runtime", None),
-    "ops": ("deepspeed.ops", None),
-    "checkpoint": ("deepspeed.checkpoint", None),
+    "DeepSpeedOptimizer": ("deepspeed.runtime.base_optimizer", "DeepSpeedOptimizer"),
+    # Upstream's alias for the activation-checkpointing API.
+    "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
 }
 
 
 def __getattr__(name):
-    if name not in _LAZY:
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        module = importlib.import_module(module_name)
+        value = module if attr is None else getattr(module, attr)
+    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")  # a subpackage or submodule
+    else:
         raise AttributeError(f"module 'deepspeed' has no attribute {name!r}")
-    module_name, attr = _LAZY[name]
-    module = importlib.import_module(module_name)
-    value = module if attr is None else getattr(module, attr)
     globals()[name] = value
     return value
 

@@ -32,6 +32,11 @@ from deepspeed.launcher.launch import (
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
+# The file of extra environment lines (NAME=value) upstream exports to every node of a
+# multi-node launch, looked up in the working directory and the home directory. Launching
+# here is single-node (ranks inherit this environment), so only the name is kept, for
+# clients that write the file (`accelerate launch`).
+DEEPSPEED_ENVIRONMENT_NAME = os.getenv("DS_ENV_FILE", ".deepspeed_env")
 KNOWN_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
 LOCAL_ONLY = "only local (single-node) launching is supported by this deepspeed"
 

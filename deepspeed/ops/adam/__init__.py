@@ -1,5 +1,6 @@
-"""Optimizers backed by native ops. Importing compiles nothing; the first optimizer does."""
+"""Adam optimizers. Importing compiles nothing; the first `DeepSpeedCPUAdam` does."""
 
 from deepspeed.ops.adam.cpu_adam import DeepSpeedCPUAdam
+from deepspeed.ops.adam.fused_adam import FusedAdam
 
-__all__ = ["DeepSpeedCPUAdam"]
+__all__ = ["DeepSpeedCPUAdam", "FusedAdam"]

@@ -41,9 +41,7 @@ def model_to_params(model: nn.Module) -> tuple:
 
 def _check_counts(num_gpus_per_node: int, num_nodes: int, additional_buffer_factor: float) -> None:
     if num_gpus_per_node < 1 or num_nodes < 1:
-        raise ValueError(
-            f"num_gpus_per_node={num_gpus_per_node} and num_nodes={num_nodes} must both be >= 1"
-        )
+        raise ValueError(f"num_gpus_per_node={num_gpus_per_node} and num_nodes={num_nodes} must both be >= 1")
     if additional_buffer_factor < 1.0:
         raise ValueError(f"additional_buffer_factor={additional_buffer_factor} must be >= 1.0")
 
@@ -89,7 +87,9 @@ def estimate_zero2_model_states_mem_needs_all_live(
 ) -> list:
     """Count `model` and print and return the ZeRO-2 estimates."""
     total, _ = model_to_params(model)
-    return estimate_zero2_model_states_mem_needs_all_cold(total, num_gpus_per_node, num_nodes, additional_buffer_factor)
+    return estimate_zero2_model_states_mem_needs_all_cold(
+        total, num_gpus_per_node, num_nodes, additional_buffer_factor
+    )
 
 
 # ============================================================================ ZeRO-3
@@ -155,9 +155,7 @@ def estimate_zero3_model_states_mem_needs_all_cold(
                     "gpu_mem": gpu,
                 }
             )
-    model = (
-        f"Model with {_millions(total_params)} total params, {_millions(largest_layer_params)} largest layer params."
-    )
+    model = f"Model with {_millions(total_params)} total params, {_millions(largest_layer_params)} largest layer params."
     _print_table(rows, num_gpus_per_node, num_nodes, model)
     return rows
 

@@ -37,6 +37,15 @@ within `max_reuse_distance` elements (its own backward, a reused layer), the pre
 keeps them gathered instead. The prefetcher is a holder like any other; its holds move to the
 submodule when that submodule fetches, and anything left is released at the end of each
 pass, so a pass that strays from the trace costs only wasted prefetches, never a wrong value.
+
+[Note: leaf modules are one unit]
+A module marked as a ZeRO-3 leaf (`deepspeed.utils.set_z3_leaf_modules`, see
+utils/z3_leaf_module.py) is fetched as a whole: its forward and backward hold every
+parameter of its subtree (and the external parameters registered with any module in it),
+and its descendants hold nothing of their own, so which children run (a router picking
+experts) never changes which collectives a rank issues. The set of descendants is re-read at
+the start of each outer forward, so a leaf marked after the engine was built counts from the
+next pass. A parameter used outside its module inside a leaf is registered with the leaf.
 """
 
 from __future__ import annotations
@@ -50,11 +59,33 @@ from torch.autograd.graph import register_multi_grad_hook
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.param_state import ACCESS_HOOK, is_zero_param
 from deepspeed.runtime.zero.partition_parameters import external_parameters, register_external_parameter
+from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
 
 def _module_states(module: nn.Module) -> list:
     own = [p for p in module._parameters.values() if p is not None and is_zero_param(p)]
     return gather.zero_states(own + external_parameters(module))
+
+
+def _leaf_states(leaf: nn.Module) -> list:
+    """Every ZeRO parameter of `leaf`'s subtree, and those registered as external with it."""
+    params = [p for p in leaf.parameters() if is_zero_param(p)]
+    for sub in leaf.modules():
+        params.extend(external_parameters(sub))
+    return gather.zero_states(params)
+
+
+def _under_leaves(root: nn.Module) -> set:
+    """ids of the modules strictly inside a leaf module's subtree (see the leaf note)."""
+    inside: set = set()
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if z3_leaf_module(module):
+            inside.update(id(m) for m in module.modules() if m is not module)
+            continue
+        stack.extend(module.children())
+    return inside
 
 
 def _grad_tensors(value: Any, found: list) -> list:
@@ -204,6 +235,7 @@ class ParameterCoordinator:
         self.forward_holds: list = []  # _Holds of submodules whose forward is running, innermost last
         self.backward_holds: dict = {}  # id(module) -> [_Hold] for its backward, innermost last
         self.awaiting_backward = False  # a grad-enabled forward finished and no backward closed it
+        self.under_leaf: set = _under_leaves(module)  # ids of modules inside a leaf: they hold nothing
         self._handles: list = []
         for sub in module.modules():
             self._handles.append(sub.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -220,6 +252,14 @@ class ParameterCoordinator:
         self._handles.clear()
 
     # ------------------------------------------------------------------ fetch / release
+
+    def _states_for(self, module: nn.Module) -> list:
+        """What `module`'s forward or backward holds (see the leaf note)."""
+        if id(module) in self.under_leaf:
+            return []
+        if z3_leaf_module(module):
+            return _leaf_states(module)
+        return _module_states(module)
 
     def _fetch(self, hold: _Hold) -> None:
         gather.fetch_states(hold.states, hold)
@@ -240,7 +280,7 @@ class ParameterCoordinator:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if not self.forward_holds:
             self._begin_outer_forward()
-        hold = _Hold(module, "forward", _module_states(module))
+        hold = _Hold(module, "forward", self._states_for(module))
         self.forward_holds.append(hold)
         if not hold.states:
             return None
@@ -278,6 +318,8 @@ class ParameterCoordinator:
         return None
 
     def _begin_outer_forward(self) -> None:
+        if not _in_backward():
+            self.under_leaf = _under_leaves(self.module)  # leaves marked since the last pass count
         ACCESS_HOOK.push(self._on_access)
         if self.awaiting_backward and not _in_backward():
             self.end_pass()  # the last pass had no backward (eval, generate): close it
@@ -296,7 +338,11 @@ class ParameterCoordinator:
     def _on_access(self, param: nn.Parameter) -> None:
         """A parameter used outside its module: gather it for the running submodule (see param_state)."""
         state = param._zero_state
-        hold = self.forward_holds[-1]
+        # Inside a leaf the leaf is the unit: the use is registered with (and held by) it.
+        hold = next(
+            (h for h in reversed(self.forward_holds) if id(h.module) not in self.under_leaf),
+            self.forward_holds[-1],
+        )
         register_external_parameter(hold.module, param)  # from now on fetched with `hold.module`
         gather.fetch_states([state], hold)
         hold.states.append(state)  # released with the submodule's own
@@ -305,7 +351,7 @@ class ParameterCoordinator:
     # ------------------------------------------------------------------ backward
 
     def enter_backward(self, module: nn.Module) -> None:
-        hold = _Hold(module, "backward", _module_states(module))
+        hold = _Hold(module, "backward", self._states_for(module))
         self._fetch(hold)
         self.backward_holds.setdefault(id(module), []).append(hold)
 

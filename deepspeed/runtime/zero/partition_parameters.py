@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator  # noqa: F401 - an upstream name clients read here
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.lifecycle import LifecycleTracker, live_contexts
 from deepspeed.runtime.zero.param_state import (
@@ -53,6 +54,7 @@ from deepspeed.runtime.zero.patching import (  # noqa: F401 - upstream names, re
 
 __all__ = [
     "GatheredParameters",
+    "partitioned_param_data_shape",
     "Init",
     "ZeroParamStatus",
     "ZeroParamType",
@@ -65,6 +67,9 @@ __all__ = [
     "unregister_external_parameter",
     "zero_wrapper_for_fp_tensor_constructor",
 ]
+
+# The shape of `param.data` while a parameter is partitioned (upstream's constant).
+partitioned_param_data_shape = [0]
 
 _SUPPORTED_REMOTE_DEVICES = (None, "none", "cpu")
 # Freeing at least this much after converting a module is worth asking the allocator to trim.
@@ -142,7 +147,6 @@ class _InitSettings:
     override_module_apply: bool  # False: leave nn.Module.apply unpatched
 
     def __init__(self, init: Init) -> None:
-        from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
         self.dtype = init.dtype
@@ -211,7 +215,9 @@ class _InitStack:
             # The innermost Init's `override_module_apply` decides, like its dtype.
             PATCHES.modules.set_apply_hook(_gathered_apply if settings.override_module_apply else None)
             # Looked up by name at each start: a client may have swapped the wrapper.
-            PATCHES.factories.bind(globals()["zero_wrapper_for_fp_tensor_constructor"], settings.dtype)
+            PATCHES.factories.bind(
+                globals()["zero_wrapper_for_fp_tensor_constructor"], settings.dtype, settings.device
+            )
         except BaseException:
             IN_PLACE_INIT.hook = None
             PATCHES.remove_all()
@@ -248,7 +254,14 @@ def _convert_built_module(module: nn.Module) -> None:
 
 
 def _convert_module_with(module: nn.Module, settings: _InitSettings) -> None:
-    own = [p for p in module._parameters.values() if p is not None and not is_zero_param(p)]
+    # A parameter on the meta device (`torch.nn.utils.skip_init`, `device="meta"`) has no
+    # values to broadcast or shard: it stays as it is until materialised (`to_empty`), and
+    # the engine partitions it at `deepspeed.initialize` like any plain parameter.
+    own = [
+        p
+        for p in module._parameters.values()
+        if p is not None and not is_zero_param(p) and p.device.type != "meta"
+    ]
     if own:
         convert_params(own, settings)
 
@@ -264,7 +277,6 @@ def convert_params(params: list, settings: _InitSettings) -> None:
         # Ranks may have drawn different random initial values: rank 0's are the model.
         src = dist.get_global_rank(settings.group, 0)
         gather.broadcast_coalesced([p.data for p in params], src, settings.group)
-    from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
     shard_views = _flat_shard_views(params, settings, accelerator)

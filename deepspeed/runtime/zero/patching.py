@@ -18,6 +18,7 @@ every exit path. The originals are module constants (`_orig_torch_empty`, ...), 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -44,17 +45,21 @@ def _local_device_name() -> str:
     return get_accelerator().current_device_name()
 
 
-def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype) -> Callable:
-    """Wrap a tensor factory: default to the local device, cast floating results to the Init dtype.
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable, target_fp_dtype: torch.dtype, target_device: Optional[torch.device] = None
+) -> Callable:
+    """Wrap a tensor factory: default to `target_device`, cast floating results to the Init dtype.
 
     Integer and boolean results keep their dtype. `partition_parameters` looks this up by name
-    each time an Init starts, so a client may swap it (HF transformers does).
+    each time an Init starts, so a client may swap it (HF transformers does, and reads
+    `target_device` from the keyword arguments it receives). `target_device=None`: the local
+    accelerator device at call time.
     """
 
     @functools.wraps(fn)
     def wrapped_fn(*args, **kwargs):
         if kwargs.get("device") is None:
-            kwargs["device"] = _local_device_name()
+            kwargs["device"] = target_device if target_device is not None else _local_device_name()
         tensor = fn(*args, **kwargs)
         if tensor.is_floating_point() and tensor.dtype != target_fp_dtype:
             tensor = tensor.to(target_fp_dtype)
@@ -167,6 +172,14 @@ class ModulePatches:
         self.installed = False
 
 
+def _accepts_keyword(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 class FactoryPatches:
     """Replaces `torch.<factory>` by wrapped originals; `unbind()` puts the originals back."""
 
@@ -175,10 +188,18 @@ class FactoryPatches:
     def __init__(self) -> None:
         self.bound_dtype = None
 
-    def bind(self, wrapper: Callable, dtype: torch.dtype) -> None:
-        """(Re)bind every factory to `wrapper(original, dtype)`; always wraps the originals."""
+    def bind(self, wrapper: Callable, dtype: torch.dtype, device: Optional[torch.device] = None) -> None:
+        """(Re)bind every factory to `wrapper(original, dtype, target_device=device)`.
+
+        Always wraps the originals. A client wrapper that takes no `target_device` keyword
+        (an older two-argument signature) is called as `wrapper(original, dtype)`.
+        """
+        takes_device = device is not None and _accepts_keyword(wrapper, "target_device")
         for name, original in ORIGINAL_FACTORIES.items():
-            setattr(torch, name, wrapper(original, dtype))
+            bound = (
+                wrapper(original, dtype, target_device=device) if takes_device else wrapper(original, dtype)
+            )
+            setattr(torch, name, bound)
         self.bound_dtype = dtype
 
     def unbind(self) -> None:

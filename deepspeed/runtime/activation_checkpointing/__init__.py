@@ -1,0 +1,1 @@
+"""Activation checkpointing (`deepspeed.checkpointing` is an alias of `.checkpointing`)."""

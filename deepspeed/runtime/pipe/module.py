@@ -1,0 +1,202 @@
+"""`PipelineModule` and `LayerSpec`: upstream's pipeline model description, for one stage.
+
+Upstream splits a list of layers across pipeline stages, each built only on the ranks that
+run it, and trains them with its pipeline engine. With one stage there is nothing to split:
+a `PipelineModule` is the sequential model of its layers, and `deepspeed.initialize` trains
+it like any module (every rank holds all layers; ZeRO-3 partitions them across the data-
+parallel ranks). More than one stage needs pipeline parallelism, which this package does
+not implement: `num_stages > 1` (or a topology with a pipeline axis > 1) raises, naming it.
+
+Layers are given as `LayerSpec(cls, *args, **kwargs)` (built here, so a model built under
+`zero.Init` is partitioned as it is made), as built `nn.Module`s, or as plain callables
+(`lambda x: x.view(...)`), applied in order. `TiedLayerSpec(key, ...)` entries with the same
+key share one module (e.g. input embedding and output head).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+
+class LayerSpec:
+    """A deferred `typename(*module_args, **module_kwargs)`, built by the PipelineModule."""
+
+    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
+        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
+            raise TypeError(f"LayerSpec: typename must be an nn.Module subclass, got {typename!r}")
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+
+    def __repr__(self) -> str:
+        return f"LayerSpec({self.typename.__name__}, args={self.module_args}, kwargs={self.module_kwargs})"
+
+    def build(self, log: bool = False) -> nn.Module:
+        del log
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+
+class TiedLayerSpec(LayerSpec):
+    """A LayerSpec whose module is shared by every TiedLayerSpec with the same `key`.
+
+    `forward_fn(module, x)`, when given, replaces `module(x)` at this position (an output
+    head reusing the embedding's weight). `tied_weight_attr` names the shared weights.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        typename: type,
+        *module_args: Any,
+        forward_fn: Optional[Callable] = None,
+        tied_weight_attr: Any = ("weight",),
+        **module_kwargs: Any,
+    ) -> None:
+        super().__init__(typename, *module_args, **module_kwargs)
+        self.key = key
+        self.forward_fn = forward_fn
+        self.tied_weight_attr = (
+            [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+        )
+
+
+def _pipeline_size(topology: Any) -> int:
+    if topology is None:
+        return 1
+    if hasattr(topology, "get_dim"):
+        return int(topology.get_dim("pipe"))
+    return int(getattr(topology, "num_stages", 1))
+
+
+class PipelineModule(nn.Module):
+    """A sequential model built from layer specs; one pipeline stage (see the module docstring)."""
+
+    def __init__(
+        self,
+        layers: Any,
+        num_stages: Optional[int] = None,
+        topology: Any = None,
+        loss_fn: Optional[Callable] = None,
+        seed_layers: bool = False,
+        seed_fn: Optional[Callable] = None,
+        base_seed: int = 1234,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Optional[Callable] = None,
+        checkpointable_layers: Optional[list] = None,
+        dynamic_shape: bool = False,
+    ) -> None:
+        super().__init__()
+        del partition_method, dynamic_shape  # how to split across stages: nothing to split
+        if num_stages is None and topology is None:
+            raise ValueError("PipelineModule: pass num_stages=1 (or a topology); got neither")
+        stages = int(num_stages) if num_stages is not None else _pipeline_size(topology)
+        if stages != 1 or _pipeline_size(topology) != 1:
+            name = "num_stages" if num_stages is not None and int(num_stages) != 1 else "topology"
+            raise ValueError(
+                f"PipelineModule: {name} asks for {max(stages, _pipeline_size(topology))} pipeline stages; "
+                "pipeline parallelism is not implemented here, only num_stages=1 (a sequential model)"
+            )
+        if activation_checkpoint_interval < 0:
+            raise ValueError(
+                f"PipelineModule: activation_checkpoint_interval={activation_checkpoint_interval} must be >= 0"
+            )
+        self.num_stages = 1
+        self.stage_id = 0
+        self.loss_fn = loss_fn
+        self.seed_layers = seed_layers
+        self.seed_fn = seed_fn
+        self.base_seed = base_seed
+        self.activation_checkpoint_interval = int(activation_checkpoint_interval)
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.checkpointable_layers = checkpointable_layers
+        self._layer_specs = list(layers)
+        self.tied_modules = nn.ModuleDict()
+        self.forward_funcs: list = []
+        self._build()
+
+    def _build(self) -> None:
+        for index, layer in enumerate(self._layer_specs):
+            if self.seed_layers:
+                (self.seed_fn or torch.manual_seed)(self.base_seed + index)
+            if isinstance(layer, TiedLayerSpec):
+                if layer.key not in self.tied_modules:
+                    self.tied_modules[layer.key] = layer.build()
+                tied = self.tied_modules[layer.key]
+                if layer.forward_fn is None:
+                    self.forward_funcs.append(tied)
+                else:
+                    self.forward_funcs.append(_TiedCall(layer.forward_fn, tied))
+            elif isinstance(layer, LayerSpec):
+                module = layer.build()
+                self.add_module(str(index), module)
+                self.forward_funcs.append(module)
+            elif isinstance(layer, nn.Module):
+                self.add_module(str(index), layer)
+                self.forward_funcs.append(layer)
+            elif callable(layer):
+                self.forward_funcs.append(layer)
+            else:
+                raise TypeError(
+                    f"PipelineModule: layer {index} is a {type(layer).__name__}; pass LayerSpecs, modules or callables"
+                )
+
+    def _is_checkpointable(self, funcs: list) -> bool:
+        if self.checkpointable_layers is not None:
+            return all(
+                type(f).__name__ in self.checkpointable_layers for f in funcs if isinstance(f, nn.Module)
+            )
+        return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
+
+    def forward(self, forward_input: Any) -> Any:
+        x = forward_input
+        interval = self.activation_checkpoint_interval
+        if interval == 0 or not torch.is_grad_enabled():
+            for func in self.forward_funcs:
+                x = func(x)
+            return x
+        checkpoint = self.activation_checkpoint_func
+        if checkpoint is None:
+            from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
+        for start in range(0, len(self.forward_funcs), interval):
+            funcs = self.forward_funcs[start : start + interval]
+            run = _Chunk(funcs)
+            if self._is_checkpointable(funcs):
+                x = checkpoint(run, *(x if isinstance(x, tuple) else (x,)))
+            else:
+                x = run(*(x if isinstance(x, tuple) else (x,)))
+        return x
+
+    def topology(self) -> Any:
+        return None
+
+    def partitions(self) -> list:
+        """Layer boundaries per stage: one stage holding every layer."""
+        return [0, len(self.forward_funcs)]
+
+
+class _TiedCall:
+    """`forward_fn(module, x)` at a tied layer's position."""
+
+    def __init__(self, forward_fn: Callable, module: nn.Module) -> None:
+        self.forward_fn = forward_fn
+        self.module = module
+
+    def __call__(self, x: Any) -> Any:
+        return self.forward_fn(self.module, x)
+
+
+class _Chunk:
+    """Consecutive layers run as one checkpointed function."""
+
+    def __init__(self, funcs: list) -> None:
+        self.funcs = funcs
+
+    def __call__(self, *inputs: Any) -> Any:
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for func in self.funcs:
+            x = func(x)
+        return x

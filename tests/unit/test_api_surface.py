@@ -1,0 +1,712 @@
+"""The upstream API surface clients and upstream's own tests reach (issue 11).
+
+Single-process checks first (imports, checkpointing API, FusedAdam, estimators, build
+facts, MoE and pipeline layers), then the distributed behaviours on spawned gloo ranks
+(leaf modules, safe_get/set, engine queries, MoE and PipelineModule training under ZeRO-3).
+"""
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import deepspeed
+import deepspeed.comm as dist
+from tests.unit.common import DistributedTest
+
+# ============================================================================ import surface
+
+NAMES = [
+    "runtime.lr_schedules.VALID_LR_SCHEDULES",
+    "runtime.zero.partition_parameters.get_accelerator",
+    "runtime.zero.partition_parameters.partitioned_param_data_shape",
+    "runtime.zero.GatheredParameters",
+    "runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live",
+    "runtime.zero.estimators.estimate_zero2_model_states_mem_needs_all_live",
+    "runtime.base_optimizer.DeepSpeedOptimizer",
+    "checkpointing.configure",
+    "checkpointing.checkpoint",
+    "checkpointing.is_configured",
+    "checkpointing.reset",
+    "checkpointing.get_cuda_rng_tracker",
+    "checkpointing.model_parallel_cuda_manual_seed",
+    "utils.set_z3_leaf_modules",
+    "utils.get_z3_leaf_modules",
+    "utils.unset_z3_leaf_modules",
+    "utils.is_initialized",
+    *[
+        f"utils.safe_{v}_{s}_{w}"
+        for v in ("get", "set")
+        for s in ("full", "local")
+        for w in ("fp32_param", "grad", "optimizer_state")
+    ],
+    "add_config_arguments",
+    "tp_model_init",
+    "init_inference",
+    "launcher.runner.DEEPSPEED_ENVIRONMENT_NAME",
+    "ops.adam.FusedAdam",
+    "ops.adam.DeepSpeedCPUAdam",
+    "ops.__compatible_ops__",
+    "git_version_info.version",
+    "git_version_info.git_hash",
+    "git_version_info.installed_ops",
+    "git_version_info.torch_info",
+    "pipe.PipelineModule",
+    "pipe.LayerSpec",
+    "moe.layer.MoE",
+]
+
+
+def test_every_name_resolves_after_a_bare_import():
+    # A fresh interpreter: nothing but `import deepspeed` may have loaded the modules.
+    code = (
+        "import deepspeed, functools\n"
+        f"for name in {NAMES!r}:\n"
+        "    functools.reduce(getattr, name.split('.'), deepspeed)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_unknown_names_still_raise():
+    with pytest.raises(AttributeError):
+        deepspeed.no_such_thing  # noqa: B018
+    with pytest.raises(AttributeError):
+        deepspeed.runtime.zero.no_such_module  # noqa: B018
+    with pytest.raises(AttributeError):
+        deepspeed.utils.no_such_helper  # noqa: B018
+
+
+def test_separate_products_raise_saying_so():
+    for fn in (deepspeed.init_inference, deepspeed.tp_model_init):
+        with pytest.raises(NotImplementedError, match="separate product"):
+            fn(nn.Linear(2, 2))
+
+
+def test_add_config_arguments():
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert args.deepspeed is True and args.deepspeed_config == "ds.json"
+    assert parser.parse_args([]).deepspeed is False
+
+
+def test_launcher_environment_file_name():
+    from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
+
+    assert DEEPSPEED_ENVIRONMENT_NAME == os.getenv("DS_ENV_FILE", ".deepspeed_env")
+
+
+def test_partition_parameters_names():
+    import deepspeed.runtime.zero.partition_parameters as pp
+    from deepspeed.accelerator import get_accelerator
+
+    assert pp.partitioned_param_data_shape == [0]
+    # transformers' prevent_arange_dtype_change calls exactly this.
+    assert pp.get_accelerator().device_name("0") == get_accelerator().device_name(0)
+
+
+def test_git_version_info_facts():
+    from deepspeed import git_version_info as info
+    from deepspeed.ops.op_builder import ALL_OPS
+
+    assert info.version == deepspeed.__version__
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=7", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(__file__),
+    )
+    if head.returncode == 0:
+        assert info.git_hash == head.stdout.strip()
+    assert info.compatible_ops == {n: b.is_compatible() for n, b in ALL_OPS.items()}
+    assert info.installed_ops == {n: b.is_built() for n, b in ALL_OPS.items()}
+    assert deepspeed.ops.__compatible_ops__ == info.compatible_ops
+    assert info.torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
+
+
+# ============================================================================ checkpointing
+
+
+@pytest.fixture
+def ckpt():
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    checkpointing.reset()
+    yield checkpointing
+    checkpointing.reset()
+
+
+class _MP:
+    def __init__(self, size):
+        self.size = size
+
+    def get_model_parallel_world_size(self):
+        return self.size
+
+    def get_model_parallel_rank(self):
+        return 0
+
+
+def test_checkpointing_configure_records_and_resets(ckpt):
+    assert deepspeed.checkpointing is ckpt
+    assert not ckpt.is_configured()
+    # Lightning's call: every option may be None ("not given").
+    ckpt.configure(
+        None, partition_activations=None, contiguous_checkpointing=None, checkpoint_in_cpu=None, profile=None
+    )
+    assert ckpt.is_configured()
+    ckpt.configure(
+        None, deepspeed_config={"activation_checkpointing": {"cpu_checkpointing": True, "profile": True}}
+    )
+    assert ckpt.SETTINGS.checkpoint_in_cpu and ckpt.SETTINGS.profile
+    ckpt.configure(None, deepspeed_config={"activation_checkpointing": {"profile": True}}, profile=False)
+    assert not ckpt.SETTINGS.profile  # an explicit argument wins over the config
+    ckpt.reset()
+    assert not ckpt.is_configured()
+
+
+def test_checkpointing_refuses_model_parallel_partitioning(ckpt):
+    ckpt.configure(_MP(1), partition_activations=True)  # one model-parallel rank: nothing to split
+    with pytest.raises(ValueError, match="partition_activations"):
+        ckpt.configure(_MP(2), partition_activations=True)
+
+
+def _block():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3), nn.GELU(), nn.Linear(6, 2))
+
+
+def test_checkpoint_recomputes_with_equal_gradients(ckpt, monkeypatch):
+    x = torch.randn(4, 6)
+    plain = _block()
+    torch.manual_seed(1)
+    plain(x).sum().backward()
+    wrapped = _block()
+    calls = []
+    wrapped.register_forward_pre_hook(lambda m, a: calls.append(1))
+    syncs = []
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(type(get_accelerator()), "synchronize", lambda self, i=None: syncs.append(1))
+    offloads = []
+    real_save_on_cpu = torch.autograd.graph.save_on_cpu
+
+    def counting_save_on_cpu(*a, **k):
+        offloads.append(1)
+        return real_save_on_cpu(*a, **k)
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", counting_save_on_cpu)
+    ckpt.configure(None, checkpoint_in_cpu=True, synchronize=True)
+    torch.manual_seed(1)
+    x_in = x.clone().requires_grad_(False)  # parameters still get gradients (non-reentrant)
+    deepspeed.checkpointing.checkpoint(wrapped, x_in).sum().backward()
+    assert len(calls) == 2  # forward, then the recomputation in backward
+    assert len(syncs) == 4 and len(offloads) == 1
+    for a, b in zip(plain.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)  # same dropout mask in the recomputation
+
+
+def test_rng_tracker_forks_a_separate_stream(ckpt):
+    ckpt.model_parallel_cuda_manual_seed(123)
+    tracker = ckpt.get_cuda_rng_tracker()
+    with tracker.fork():
+        a = torch.rand(3)
+    outside = torch.rand(3)
+    ckpt.model_parallel_cuda_manual_seed(123)
+    with tracker.fork():
+        b = torch.rand(3)
+    torch.testing.assert_close(a, b)
+    torch.manual_seed(123)
+    torch.testing.assert_close(outside, torch.rand(3))  # the default stream was not disturbed
+    with pytest.raises(ValueError, match="already"):
+        tracker.add("other", 123 + 2718)
+
+
+# ============================================================================ FusedAdam
+
+
+@pytest.mark.parametrize("adam_w_mode, reference", [(True, torch.optim.AdamW), (False, torch.optim.Adam)])
+def test_fused_adam_matches_torch(adam_w_mode, reference):
+    from deepspeed.ops.adam import FusedAdam
+
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    a = FusedAdam(ours, lr=1e-2, weight_decay=0.1, adam_w_mode=adam_w_mode)
+    b = reference(theirs, lr=1e-2, weight_decay=0.1)
+    for _ in range(4):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert set(a.state[ours[0]]) == set(b.state[theirs[0]])
+
+
+def test_fused_adam_without_bias_correction_and_refusals():
+    from deepspeed.ops.adam import FusedAdam
+
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    FusedAdam([p], lr=0.1, bias_correction=False, betas=(0.9, 0.99), eps=0.0).step()
+    m, v = 0.1 * 2.0, 0.01 * 4.0  # first moments, uncorrected
+    torch.testing.assert_close(p.detach(), torch.full((3,), 1.0 - 0.1 * m / math.sqrt(v)))
+    with pytest.raises(RuntimeError, match="amsgrad"):
+        FusedAdam([p], amsgrad=True)
+
+
+# ============================================================================ estimators
+
+
+def test_zero3_estimates_follow_the_documented_formulas(capsys):
+    from deepspeed.runtime.zero.estimators import estimate_zero3_model_states_mem_needs_all_cold
+
+    total, largest = 60_506_624, 16_449_536  # upstream's documented t5-small example
+    rows = estimate_zero3_model_states_mem_needs_all_cold(total, largest, num_gpus_per_node=1)
+    gb = [(round(r["cpu_mem"] / 2**30, 2), round(r["gpu_mem"] / 2**30, 2)) for r in rows]
+    assert gb == [(1.52, 0.06), (1.52, 0.06), (1.35, 0.17), (1.35, 0.17), (0.09, 1.08), (0.34, 1.08)]
+    assert "61M total params, 16M largest layer params" in capsys.readouterr().out
+
+
+def test_live_estimates_count_the_model():
+    from deepspeed.runtime.zero.estimators import (
+        estimate_zero2_model_states_mem_needs_all_live,
+        estimate_zero3_model_states_mem_needs_all_live,
+        model_to_params,
+    )
+
+    model = nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 5))
+    assert model_to_params(model) == (325, 220)
+    z2 = estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=2)
+    assert z2[0]["gpu_mem"] == 2 * 325 and z2[0]["cpu_mem"] == int(325 * 16 * 1.5)
+    assert z2[1]["gpu_mem"] == 4 * 325 + int(16 * 325 / 2) and z2[1]["cpu_mem"] == int(325 * 4 * 2 * 1.5)
+    z3 = estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=2)
+    assert z3[4]["gpu_mem"] == 4 * 220 + int(18 * 325 / 2)
+
+
+# ============================================================================ MoE and pipeline layers
+
+
+def test_moe_shapes_aux_loss_and_capacity():
+    from deepspeed.moe.layer import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(8, nn.Linear(8, 8), num_experts=4, k=1, use_rts=False, min_capacity=1)
+    x = torch.randn(2, 6, 8)
+    out, l_aux, counts = moe(x)
+    assert out.shape == x.shape and counts.shape == (4,) and counts.sum() == 12
+    gates = torch.softmax(moe.deepspeed_moe.gate.wg(x.reshape(-1, 8)), dim=1)
+    first = nn.functional.one_hot(gates.argmax(1), 4).float()
+    torch.testing.assert_close(l_aux, 4 * (gates.mean(0) * first.mean(0)).sum())
+    # capacity 1 per expert (factor 1/3 of 12/4 tokens): all but the first token per expert is dropped.
+    tight = MoE(8, nn.Linear(8, 8), num_experts=4, k=1, capacity_factor=1 / 3, use_rts=False, min_capacity=1)
+    tight.load_state_dict(moe.state_dict())
+    out_tight, _, _ = tight(x)
+    kept = (out_tight.reshape(-1, 8).abs().sum(1) > 0).sum().item()
+    assert kept == int((counts > 0).sum())
+    top2 = MoE(8, nn.Linear(8, 8), num_experts=4, k=2)
+    out2, l_aux2, counts2 = top2(x)
+    assert out2.shape == x.shape and counts2.sum() == 24 and l_aux2 > 0
+
+
+def test_moe_refuses_expert_parallelism():
+    from deepspeed.moe.layer import MoE
+
+    with pytest.raises(ValueError, match="ep_size=2"):
+        MoE(8, nn.Linear(8, 8), num_experts=4, ep_size=2)
+    with pytest.raises(ValueError, match="k=3"):
+        MoE(8, nn.Linear(8, 8), num_experts=4, k=3)
+
+
+def test_pipeline_module_single_stage_is_sequential():
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    with pytest.raises(ValueError, match="num_stages"):
+        PipelineModule([LayerSpec(nn.Linear, 4, 4)], num_stages=2)
+    with pytest.raises(TypeError, match="nn.Module"):
+        LayerSpec(len)
+    torch.manual_seed(0)
+    pipe = PipelineModule(
+        [LayerSpec(nn.Linear, 4, 8), nn.ReLU(), lambda t: t * 2, LayerSpec(nn.Linear, 8, 3)], num_stages=1
+    )
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(pipe(x), seq[2](seq[1](seq[0](x)) * 2))
+
+
+def test_engine_optimizer_base_class():
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+    from deepspeed.runtime.zero.stage3 import ZeroStage3Optimizer
+
+    assert issubclass(ZeroStage3Optimizer, ZeROOptimizer) and issubclass(ZeROOptimizer, DeepSpeedOptimizer)
+
+
+# ============================================================================ distributed behaviours
+
+WIDTH = 6
+
+
+def _cfg(gas=1, **zero):
+    micro = 4 // (dist.get_world_size() * gas)
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
+    }
+
+
+def _rank_slice(t):
+    per = t.shape[0] // dist.get_world_size()
+    return t[dist.get_rank() * per : (dist.get_rank() + 1) * per]
+
+
+def _reference_train(build, data, loss_of, lr=1e-2):
+    """Plain PyTorch: each step's loss is the mean of the per-rank-slice losses (what the engine averages)."""
+    torch.manual_seed(7)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    ws = dist.get_world_size()
+    for x in data:
+        opt.zero_grad()
+        per = x.shape[0] // ws
+        loss = sum(loss_of(model, x[r * per : (r + 1) * per]) for r in range(ws)) / ws
+        loss.backward()
+        opt.step()
+    return model
+
+
+def _engine_train(build, data, loss_of, **zero):
+    torch.manual_seed(7)
+    model = build()
+    engine, *_ = deepspeed.initialize(model=model, config=_cfg(**zero))
+    for x in data:
+        loss = loss_of(engine, _rank_slice(x))
+        engine.backward(loss)
+        engine.step()
+    return engine
+
+
+def _assert_same_params(engine, reference, atol=1e-5):
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=atol, msg=name)
+
+
+class Router(nn.Module):
+    """Runs one child or the other depending on the data: ranks may take different branches."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+
+    def forward(self, x):
+        return self.a(x) if x.sum() > 0 else self.b(x)
+
+
+class LeafNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.router = Router()
+        self.out = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        return self.out(self.router(torch.relu(self.inp(x))))
+
+
+def _leaf_loss(model, x):
+    return model(x).pow(2).mean()
+
+
+def _data(steps, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, WIDTH, generator=gen) for _ in range(steps)]
+
+
+class TestApiSurfaceDistributed(DistributedTest):
+    world_size = [1, 2]
+
+    def test_leaf_module_is_fetched_as_one_unit(self, monkeypatch):
+        from deepspeed.runtime.zero import gather
+        from deepspeed.utils import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules
+
+        data = _data(4)
+        reference = _reference_train(LeafNet, data, _leaf_loss)
+
+        def build():
+            net = LeafNet()
+            assert set_z3_leaf_modules(net, [Router]) == [net.router]
+            return net
+
+        fetches = []
+        real = gather.fetch_states
+
+        def counting(states, owner, async_op=False):
+            module = getattr(owner, "module", None)
+            if module is not None and states:
+                fetches.append((type(module).__name__, getattr(owner, "phase", ""), len(states)))
+            return real(states, owner, async_op=async_op)
+
+        monkeypatch.setattr(gather, "fetch_states", counting)
+        engine = _engine_train(build, data, _leaf_loss, stage3_prefetch_bucket_size=0)
+        _assert_same_params(engine, reference)
+        router = [f for f in fetches if f[0] == "Router"]
+        # One fetch of the whole subtree (a and b[0]: 4 parameters) per forward and per backward.
+        assert router == [("Router", "forward", 4), ("Router", "backward", 4)] * len(data)
+        assert not [f for f in fetches if f[0] in ("Sequential", "Tanh")]
+        linears = [f for f in fetches if f[0] == "Linear"]
+        assert len(linears) == 2 * 2 * len(data)  # inp and out only (a and b[0] fetch nothing), fwd + bwd
+        assert get_z3_leaf_modules(engine.module) == [engine.module.router]
+        unset_z3_leaf_modules(engine.module, ["Router"])  # by class name, after initialize
+        fetches.clear()
+        engine.backward(_leaf_loss(engine, _rank_slice(data[0])))
+        engine.step()
+        assert not [f for f in fetches if f[0] == "Router"]  # unmarked: children fetch their own
+
+    def test_leaf_marked_after_initialize_counts_from_next_pass(self, monkeypatch):
+        from deepspeed.runtime.zero import gather
+        from deepspeed.utils import set_z3_leaf_modules
+
+        engine, *_ = deepspeed.initialize(model=LeafNet(), config=_cfg())
+        x = _rank_slice(_data(1)[0])
+        set_z3_leaf_modules(engine.module, [Router])
+        owners = []
+        real = gather.fetch_states
+        monkeypatch.setattr(
+            gather,
+            "fetch_states",
+            lambda s, o, async_op=False: owners.append(getattr(o, "module", None)) or real(s, o, async_op),
+        )
+        engine.backward(_leaf_loss(engine, x))
+        engine.step()
+        assert engine.module.router in owners and engine.module.router.a not in owners
+
+    def test_safe_get_and_set_match_the_reference(self):
+        from deepspeed.utils import (
+            safe_get_full_fp32_param,
+            safe_get_full_grad,
+            safe_get_full_optimizer_state,
+            safe_get_local_fp32_param,
+            safe_get_local_grad,
+            safe_get_local_optimizer_state,
+            safe_set_full_fp32_param,
+            safe_set_full_optimizer_state,
+            safe_set_local_fp32_param,
+            safe_set_local_optimizer_state,
+        )
+
+        data = _data(2, seed=5)
+        build = lambda: nn.Sequential(nn.Linear(WIDTH, 5), nn.Tanh(), nn.Linear(5, 1))  # noqa: E731
+        loss_of = lambda m, x: m(x).pow(2).mean()  # noqa: E731
+        torch.manual_seed(7)
+        ref = build()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+        engine = _engine_train(build, [], loss_of)
+        ws = dist.get_world_size()
+        for x in data:
+            per = x.shape[0] // ws
+            ref_opt.zero_grad()
+            (sum(loss_of(ref, x[r * per : (r + 1) * per]) for r in range(ws)) / ws).backward()
+            engine.backward(loss_of(engine, _rank_slice(x)))
+            for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(safe_get_full_grad(p), q.grad, atol=1e-6, rtol=0, msg=name)
+                local = safe_get_local_grad(p)
+                assert local.shape == (p.partition_numel(),)
+            engine.step()
+            ref_opt.step()
+        weight, ref_weight = engine.module[0].weight, ref[0].weight
+        assert safe_get_full_grad(weight) is None  # the step consumed it
+        torch.testing.assert_close(safe_get_full_fp32_param(weight), ref_weight.detach(), atol=1e-6, rtol=0)
+        exp_avg = ref_opt.state[ref_weight]["exp_avg"]
+        torch.testing.assert_close(
+            safe_get_full_optimizer_state(weight, "exp_avg"), exp_avg, atol=1e-7, rtol=0
+        )
+        local_m = safe_get_local_optimizer_state(weight, "exp_avg")
+        start = dist.get_rank() * weight.partition_numel()
+        flat = torch.cat([exp_avg.reshape(-1), torch.zeros(weight.padding_size())])
+        torch.testing.assert_close(local_m, flat[start : start + weight.partition_numel()])
+        # setters: full values on every rank; then the engine trains from them
+        new = torch.full_like(ref_weight, 0.25)
+        safe_set_full_fp32_param(weight, new)
+        safe_set_full_optimizer_state(weight, torch.zeros_like(exp_avg), "exp_avg")
+        torch.testing.assert_close(safe_get_full_fp32_param(weight), new)
+        with deepspeed.zero.GatheredParameters(weight):
+            torch.testing.assert_close(weight.detach(), new)  # the training shard follows
+        assert safe_get_full_optimizer_state(weight, "exp_avg").abs().sum() == 0
+        safe_set_local_fp32_param(weight, safe_get_local_fp32_param(weight) * 2)
+        safe_set_local_optimizer_state(weight, torch.ones(weight.partition_numel()), "exp_avg")
+        torch.testing.assert_close(safe_get_full_fp32_param(weight), new * 2)
+        torch.testing.assert_close(safe_get_full_optimizer_state(weight, "exp_avg"), torch.ones_like(exp_avg))
+        with pytest.raises(ValueError, match="elements"):
+            safe_set_full_fp32_param(weight, torch.zeros(3))
+
+    def test_engine_queries(self):
+        from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+        from deepspeed.runtime.zero.param_state import ZeroParamStatus
+
+        net = LeafNet()
+        net.custom_flag = "from the model"
+        cfg = _cfg(gas=2, stage3_param_persistence_threshold=10_000)
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.8, 0.9]}}
+        cfg["communication_data_type"] = "fp32"
+        engine, optimizer, *_ = deepspeed.initialize(model=net, config=cfg)
+        assert isinstance(optimizer, DeepSpeedOptimizer)
+        assert engine.custom_flag == "from the model"  # forwarded to the wrapped module
+        assert engine.inp is net.inp  # submodules of the wrapped module too
+        with pytest.raises(AttributeError, match="missing_attr"):
+            engine.missing_attr  # noqa: B018
+        assert engine.global_rank == dist.get_rank()
+        assert not engine.fp16_enabled() and not engine.bfloat16_enabled()
+        assert engine.communication_data_type == torch.float32
+        assert engine.zero_offload_optimizer() is None and engine.zero_offload_param() is None
+        assert engine.get_mom() == [(0.8, 0.9)]
+        assert engine.skipped_steps == 0
+        assert set(engine.module_state_dict()) == set(net.state_dict())
+        with pytest.raises(RuntimeError, match="stage 3"):
+            with engine.no_sync():
+                pass
+        x = _rank_slice(_data(1)[0])
+        engine.backward(_leaf_loss(engine, x[:1]))
+        engine.step()
+        assert not engine.was_step_applied()  # not an accumulation boundary
+        engine.backward(_leaf_loss(engine, x[1:]))
+        engine.step()
+        assert engine.was_step_applied()
+        persistent = [p for p in engine.module.parameters() if p.ds_persist]
+        assert persistent and all(p.ds_status is ZeroParamStatus.AVAILABLE for p in persistent)
+        engine.empty_partition_cache()
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+        engine.eval()
+        with torch.no_grad():
+            out = engine(x)  # gathered again on demand
+        assert out.shape == (x.shape[0], 1)
+
+    def test_moe_trains_under_zero3_like_plain_pytorch(self):
+        from deepspeed.moe.layer import MoE
+
+        class MoENet(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.moe = MoE(
+                    WIDTH, nn.Linear(WIDTH, WIDTH), num_experts=3, k=1, use_rts=False, drop_tokens=False
+                )
+                self.head = nn.Linear(WIDTH, 1)
+
+            def forward(self, x):
+                h, l_aux, _ = self.moe(x)
+                return self.head(h).pow(2).mean() + 0.01 * l_aux
+
+        data = [torch.randn(4, 3, WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+        reference = _reference_train(MoENet, data, lambda m, x: m(x))
+        engine = _engine_train(MoENet, data, lambda m, x: m(x))
+        _assert_same_params(engine, reference)
+
+    def test_pipeline_module_trains_like_sequential(self):
+        from deepspeed.pipe import LayerSpec, PipelineModule
+
+        def pipe():
+            return PipelineModule(
+                [LayerSpec(nn.Linear, WIDTH, 8), LayerSpec(nn.GELU), LayerSpec(nn.Linear, 8, 1)], num_stages=1
+            )
+
+        def seq():
+            return nn.Sequential(nn.Linear(WIDTH, 8), nn.GELU(), nn.Linear(8, 1))
+
+        data = _data(3, seed=9)
+        reference = _reference_train(seq, data, _leaf_loss)
+        engine = _engine_train(pipe, data, _leaf_loss)
+        _assert_same_params(engine, reference)
+
+    def test_skip_init_under_zero_init(self):
+        init = deepspeed.zero.Init(config_dict_or_path=_cfg()).start()
+        try:
+            layer = torch.nn.utils.skip_init(nn.Linear, 4, 3)
+            kept = nn.Linear(4, 3)
+        finally:
+            init.stop()
+        assert not hasattr(layer.weight, "ds_id") and layer.weight.device.type == "cpu"  # materialised, whole
+        assert hasattr(kept.weight, "ds_id")
+        with torch.no_grad():
+            layer.weight.fill_(0.5)
+            layer.bias.zero_()
+        engine, *_ = deepspeed.initialize(model=layer, config=_cfg())
+        assert hasattr(engine.module.weight, "ds_id")  # partitioned by the engine
+        with deepspeed.zero.GatheredParameters(engine.module.weight):
+            assert torch.all(engine.module.weight == 0.5)
+        init = deepspeed.zero.Init(config_dict_or_path=_cfg()).start()
+        try:
+            meta = nn.Linear(4, 3, device="meta")
+        finally:
+            init.stop()
+        assert meta.weight.is_meta and not hasattr(meta.weight, "ds_id")
+
+
+# ============================================================================ HF transformers through HfDeepSpeedConfig
+
+
+class TestHfLlamaUnderZeroInit(DistributedTest):
+    world_size = [2]
+
+    def test_llama_builds_partitioned_with_fp32_rope(self):
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        transformers = pytest.importorskip("transformers")
+        from transformers.integrations import HfDeepSpeedConfig
+
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3},
+            "bf16": {"enabled": True},
+        }
+        keep = HfDeepSpeedConfig(cfg)  # noqa: F841 - transformers reads it through a weak reference
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2,
+        )  # fmt: skip
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        assert all(hasattr(p, "ds_id") and p.data.shape == torch.Size([0]) for p in model.parameters())
+        assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # RoPE kept out of the bf16 cast
+        assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_client_wrapper_without_target_device_still_binds(monkeypatch):
+    """An older two-argument factory wrapper (no target_device keyword) is called as such."""
+    import deepspeed.runtime.zero.partition_parameters as pp
+    from deepspeed.runtime.zero.patching import ORIGINAL_FACTORIES, FactoryPatches
+
+    seen = []
+
+    def two_args(fn, dtype):
+        seen.append(dtype)
+        return fn
+
+    patches = FactoryPatches()
+    try:
+        patches.bind(two_args, torch.bfloat16, torch.device("cpu"))
+    finally:
+        patches.unbind()
+    assert len(seen) == len(ORIGINAL_FACTORIES)
+    received = {}
+
+    def with_device(fn, dtype, **kwargs):
+        received.update(kwargs)
+        return pp.zero_wrapper_for_fp_tensor_constructor(fn, dtype, **kwargs)
+
+    try:
+        patches.bind(with_device, torch.bfloat16, torch.device("cpu"))
+        assert torch.zeros(2).dtype == torch.bfloat16
+    finally:
+        patches.unbind()
+    assert received == {"target_device": torch.device("cpu")}
