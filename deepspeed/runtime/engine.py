@@ -166,14 +166,12 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             "master_device": torch.device("cpu") if on_cpu else None,
             "pin_masters": on_cpu and offload.pin_memory,
         }
-        if self.partitions_weights:
-            return ZeroStage3Optimizer(self.module, self._config, client, model_parameters, **placement)
         return ZeroStage3Optimizer(
             self.module,
             self._config,
             client,
             model_parameters,
-            state_of=lambda p: self.replicated.get(id(p)),
+            state_of=self._shard_state_of,
             **placement,
         )
 
@@ -278,17 +276,28 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             self.global_samples += self.train_batch_size()
         self.micro_steps += 1
 
-    def _refresh_full_params(self) -> None:
+    def _refresh_full_params(self, after_load: bool = False) -> None:
         """After the shards changed (a step, a load): every full tensor must show them.
 
         Stage 3 re-gathers whatever stays gathered (persistent parameters, a live
         GatheredParameters), so no gathered tensor keeps old values; stages 0-2 gather every
-        rank's updated slices back into the full parameters.
+        rank's updated slices back into the full parameters (after a step, the trained ones).
         """
         if self.partitions_weights:
             gather.refresh_gathered(self.zero_states)
-        elif self.optimizer is not None:
-            gather.gather_into_params(self.optimizer.states, self._config.zero_config.allgather_bucket_size)
+            return
+        if after_load:
+            changed = sorted(self.replicated.values(), key=lambda s: s.ds_id)
+        else:
+            changed = self.optimizer.states if self.optimizer is not None else []
+        gather.gather_into_params(changed, self._config.zero_config.allgather_bucket_size)
+
+    def _shard_state_of(self, param: nn.Parameter) -> Any:
+        """The object holding `param`'s shard on this rank: a ZeroParamState (stage 3) or a
+        ReplicatedShard (stages 0-2); checkpoints read and write shards through it."""
+        if self.partitions_weights:
+            return param._zero_state if is_zero_param(param) else None
+        return self.replicated.get(id(param))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:

@@ -69,8 +69,12 @@ class ReplicatedShard:
 
 
 def make_replicated_shards(module: nn.Module, group: Any = None) -> dict:
-    """`id(param) -> ReplicatedShard` for every trainable parameter of `module` (see the note)."""
-    params = [(index, p) for index, p in enumerate(module.parameters()) if p.requires_grad]
+    """`id(param) -> ReplicatedShard` for every parameter of `module` (see the note).
+
+    Frozen parameters get one too, so a checkpoint stores every parameter the same way at
+    every stage; only trainable ones get an fp32 master.
+    """
+    params = list(enumerate(module.parameters()))
     world = dist.get_world_size(group)
     by_key: dict = {}
     for index, p in params:
@@ -107,3 +111,11 @@ def refuse_partitioned(module: nn.Module, stage: int) -> Optional[str]:
         f"(first: {names[0]}) were partitioned by deepspeed.zero.Init; build the model without zero.Init "
         "(or with Init(enabled=False)) for stages 0-2, or use stage 3"
     )
+
+
+# Upstream's import path for the stage 1/2 memory estimators.
+from deepspeed.runtime.zero.estimators import (  # noqa: E402, F401
+    estimate_zero2_model_states_mem_needs,
+    estimate_zero2_model_states_mem_needs_all_cold,
+    estimate_zero2_model_states_mem_needs_all_live,
+)
