@@ -248,6 +248,10 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             if self.coordinator is not None:
                 self.coordinator.finish_backward()
         self.reducer.flush()
+        if not self.zero_optimization_partition_gradients() and self.is_gradient_accumulation_boundary():
+            # Stages 0-1: the accumulated gradients are reduced once, by the boundary's backward,
+            # so between backward and step they sit in the gradient shards as at stages 2-3.
+            reduce_accumulated_grads(self.optimizer.states, self.reducer)
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -265,7 +269,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             )
         if self.is_gradient_accumulation_boundary():
             self._settle_live_gathers()
-            if not self.zero_optimization_partition_gradients():  # stages 0-1: gradients accumulated whole
+            if not self.zero_optimization_partition_gradients():  # a boundary that backward did not see
                 reduce_accumulated_grads(self.optimizer.states, self.reducer)
             stepped = self.optimizer.step()
             self._refresh_full_params()

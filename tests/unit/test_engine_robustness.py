@@ -352,23 +352,34 @@ class TestReplicatedStages(DistributedTest):
             -(-p.numel() // dist.get_world_size()) for p in model.parameters()
         )  # ceil(numel / ws) per parameter, not numel
         assert sum(m.numel() for m in masters.values()) < total
-        x, y = make_data(1, (WIDTH,))[0]
-        loss = F.mse_loss(engine(my_rows(x)), my_rows(y))
-        engine.backward(loss)
-        full_grads = [p for p in model.parameters() if p.grad is not None]
-        if stage == 2:
-            assert not full_grads  # reduce-scattered during backward
-        else:
-            assert model.head.weight.grad is not None  # accumulated whole, reduced once at the step
-            assert model.head.weight.grad.shape == model.head.weight.shape
-        engine.step()
-        assert all(p.grad is None for p in model.parameters())
         data = make_data(3, (WIDTH,), seed=1)
-        ref_losses = reference_losses(reference, [(x, y)] + data)[1:]
         losses = engine_losses(engine, data)
+        ref_losses = reference_losses(reference, data)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=5e-5, msg=name)
+
+    @pytest.mark.parametrize("stage", [1, 2])
+    def test_when_gradients_are_reduced(self, stage):
+        torch.manual_seed(0)
+        model = OutsideUses()
+        cfg = sgd_config(zero_optimization={"stage": stage}, gradient_accumulation_steps=2)
+        cfg["train_micro_batch_size_per_gpu"] //= 2
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        x, y = make_data(1, (WIDTH,))[0]
+        rows, targets = my_rows(x), my_rows(y)
+        half = rows.shape[0] // 2
+        engine.backward(F.mse_loss(engine(rows[:half]), targets[:half]))
+        if stage == 2:
+            assert model.head.weight.grad is None  # reduce-scattered during backward
+        else:
+            assert model.head.weight.grad.shape == model.head.weight.shape  # accumulated whole
+        engine.step()  # not a boundary: nothing reduced, nothing stepped
+        engine.backward(F.mse_loss(engine(rows[half:]), targets[half:]))
+        assert all(p.grad is None for p in model.parameters())  # the boundary's backward reduced
+        assert deepspeed.utils.safe_get_full_grad(model.head.weight).shape == model.head.weight.shape
+        engine.step()
+        assert engine.global_steps == 1
 
     def test_a_model_built_under_init_is_refused_at_stage_2(self):
         with deepspeed.zero.Init():

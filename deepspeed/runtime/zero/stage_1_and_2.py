@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from deepspeed import comm as dist
-from deepspeed.runtime.zero.param_state import shard_sizes
+from deepspeed.runtime.zero.param_state import ZeroParamStatus, shard_sizes
 
 
 class ReplicatedShard:
@@ -42,6 +42,9 @@ class ReplicatedShard:
     padding: int
     shard: torch.Tensor  # 1D [partition_size], the parameter's dtype; a view into a flat buffer
     shard_version: int  # stage-3 compatibility: edits never land in a replicated shard
+    # A replicated parameter is always whole, so code written for stage-3 states (refreshing
+    # whatever is gathered after its shard changed) treats it as gathered.
+    status = ZeroParamStatus.AVAILABLE
 
     def __init__(self, param: nn.Parameter, ds_id: int, group: Any, shard_out: torch.Tensor) -> None:
         self.param = param
