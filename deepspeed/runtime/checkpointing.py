@@ -30,6 +30,28 @@ from deepspeed.runtime.zero.param_state import is_zero_param
 from deepspeed.utils.logging import log_dist, logger
 from deepspeed.version import __version__
 
+# Top-level keys of a model-states file that the engine itself writes; client state may not use them.
+_MODEL_FILE_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "frozen_param_fragments",
+        "shared_params",
+        "lr_scheduler",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+        ckpt_io.OWN_KEY,
+    }
+)
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -94,6 +116,23 @@ def _shared_params(module: torch.nn.Module) -> list:
         else:
             first[id(p)] = name
     return aliases
+
+
+def _flatten(tensors: list, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """A new flat tensor holding `tensors` one after another (a copy, safe to save)."""
+    if not tensors:
+        return torch.empty(0, dtype=dtype or torch.float32)
+    flat = torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors])
+    return flat.to(dtype) if dtype is not None else flat
+
+
+def _views(flat: torch.Tensor, names: list, partition: dict) -> dict:
+    """`{name: its slice of flat}`: saved with `flat`, these views add no bytes to the file."""
+    out, offset = {}, 0
+    for name in names:
+        out[name] = flat[offset : offset + partition[name]]
+        offset += partition[name]
+    return out
 
 
 def _place_state(key: str, value: Any, master: torch.Tensor, group: dict) -> Any:
@@ -218,57 +257,129 @@ class CheckpointMixin:
             entries.append((name, state, meta))
         return entries
 
+    def _checkpoint_groups(self, entries: list) -> list:
+        """Names of the saved parameters with an fp32 master, per optimizer param group.
+
+        These are the `param_shapes` groups, each matching one flat tensor of
+        `fp32_flat_groups` (see [Note: checkpoint layout] in checkpoint_io.py).
+        """
+        if self.optimizer is None:
+            return []
+        masters = self.optimizer.masters
+        name_of = {id(masters[s.ds_id]): name for name, s, meta in entries if meta.has_master}
+        groups, placed = [], set()
+        for group in self.optimizer.optimizer.param_groups:
+            names = [name_of[id(p)] for p in group["params"] if id(p) in name_of]
+            groups.append(names)
+            placed.update(names)
+        rest = [name for name, _, meta in entries if meta.has_master and name not in placed]
+        if rest:
+            groups.append(rest)
+        return groups
+
     def _model_states(self, entries: list, header: dict, client_state: dict) -> dict:
+        reserved = sorted(set(client_state) & _MODEL_FILE_KEYS)
+        if reserved:
+            raise ValueError(
+                f"client_state keys {reserved} are names the checkpoint itself uses at the top level of "
+                "*_model_states.pt (as upstream DeepSpeed does); rename them"
+            )
         rank0 = header["rank"] == 0
         scheduler = self.lr_scheduler
-        sd = {
+        meta_of = {name: meta for name, _, meta in entries}
+        buffers = OrderedDict(_persistent_buffers(self.module)) if rank0 else OrderedDict()
+        own = {
             **header,
             "zero_stage": 3,
             "dtype": str(self.dtype),
             "params": [meta.to_dict() for _, _, meta in entries],
             "has_optimizer": self.optimizer is not None,
-            "shared_params": _shared_params(self.module),
-            "frozen_param_shards": {name: s.shard for name, s, meta in entries if not meta.has_master},
-            "buffers": dict(_persistent_buffers(self.module)) if rank0 else {},
+            "micro_steps": self.micro_steps,
+            "client_state_keys": list(client_state),
+        }
+        # Upstream's key names first: its zero_to_fp32 and Lightning read them.
+        sd = {
+            "module": buffers,
+            "buffer_names": list(buffers),
+            "optimizer": None,
+            "param_shapes": [
+                OrderedDict((n, torch.Size(meta_of[n].shape)) for n in names)
+                for names in self._checkpoint_groups(entries)
+            ],
+            "frozen_param_shapes": OrderedDict(
+                (name, torch.Size(meta.shape)) for name, _, meta in entries if not meta.has_master
+            ),
+            "frozen_param_fragments": {name: s.shard for name, s, meta in entries if not meta.has_master},
+            "shared_params": dict(_shared_params(self.module)),
+            "lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
+            "skipped_steps": int(getattr(self, "skipped_steps", 0) or 0),
             "global_steps": self.global_steps,
             "global_samples": self.global_samples,
-            "micro_steps": self.micro_steps,
-            "lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
-            "client_state": dict(client_state),
+            "dp_world_size": header["world_size"],
+            "mp_world_size": 1,
+            "ds_config": self._config._param_dict,
+            "ds_version": __version__,
+            ckpt_io.OWN_KEY: own,
         }
-        return clone_tensors_for_torch_save(sd)
+        sd = clone_tensors_for_torch_save(sd)
+        sd.update(clone_tensors_for_torch_save(dict(client_state)))  # at the top level, as upstream
+        return sd
 
     def _optim_states(self, entries: list, header: dict) -> dict:
         opt = self.optimizer
         torch_state = opt.optimizer.state
-        name_of = {id(opt.masters[s.ds_id]): name for name, s, meta in entries if meta.has_master}
-        masters, sharded, replicated = {}, {}, {}
-        for name, state, meta in entries:
-            if not meta.has_master:
-                continue
-            master = opt.masters[state.ds_id]
-            masters[name] = master.detach()
-            sharded[name], rep = ckpt_io.split_optimizer_state(
-                torch_state.get(master, {}), state.partition_size
-            )
-            if header["rank"] == 0:
-                replicated[name] = rep
-        groups = []
-        for group in opt.optimizer.param_groups:
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            hyper["params"] = [name_of[id(p)] for p in group["params"] if id(p) in name_of]
-            groups.append(hyper)
-        sd = {
+        masters = {name: opt.masters[s.ds_id] for name, s, meta in entries if meta.has_master}
+        groups = self._checkpoint_groups(entries)
+        partition = {name: meta.partition_size for name, _, meta in entries}
+        flats, flat_state, shards, sharded, replicated = [], {}, {}, {}, {}
+        for g, names in enumerate(groups):
+            # [Note: checkpoint layout]: one flat fp32 tensor per group, per-name views into it.
+            flat = _flatten([masters[n].detach() for n in names], torch.float32)
+            flats.append(flat)
+            shards.update(_views(flat, names, partition))
+            states = {n: torch_state.get(masters[n], {}) for n in names}
+            cut = {n: ckpt_io.split_optimizer_state(states[n], partition[n]) for n in names}
+            keys = set.intersection(*(set(cut[n][0]) for n in names)) if names else set()
+            flat_state[g] = {k: _flatten([cut[n][0][k] for n in names], None) for k in sorted(keys)}
+            views = {key: _views(flat_value, names, partition) for key, flat_value in flat_state[g].items()}
+            for n in names:
+                # A key only some of the group's parameters have stays per parameter.
+                sharded[n] = {k: v.detach().clone() for k, v in cut[n][0].items() if k not in keys}
+                sharded[n].update({key: views[key][n] for key in keys})
+                if header["rank"] == 0:
+                    replicated[n] = clone_tensors_for_torch_save(cut[n][1])
+            first = cut[names[0]][1] if names else {}
+            flat_state[g].update(clone_tensors_for_torch_save(first))
+        named_groups, torch_groups = [], []
+        for g, group in enumerate(opt.optimizer.param_groups):
+            hyper = clone_tensors_for_torch_save({k: v for k, v in group.items() if k != "params"})
+            named_groups.append({**hyper, "params": list(groups[g]) if g < len(groups) else []})
+            torch_groups.append({**hyper, "params": [g] if g < len(groups) else []})
+        own = {
             **header,
             "optimizer_class": type(opt.optimizer).__name__,
-            "fp32_master_shards": masters,
+            "fp32_master_shards": shards,
             "optimizer_state": sharded,
             "replicated_optimizer_state": replicated,
-            "param_groups": groups,
+            "param_groups": named_groups,
             "loss_scaler": opt.loss_scaler.state_dict(),
             "overflow": bool(opt.overflow),
         }
-        return clone_tensors_for_torch_save(sd)
+        return {
+            # Upstream's layout of a stage-3 optimizer file: its zero_to_fp32 and Lightning read it.
+            "optimizer_state_dict": {
+                "zero_stage": 3,
+                "loss_scaler": opt.loss_scaler.state_dict(),
+                "dynamic_loss_scale": bool(getattr(opt.loss_scaler, "dynamic", False)),
+                "overflow": bool(opt.overflow),
+                "partition_count": header["world_size"],
+                "optimizer_state_dict": {"state": flat_state, "param_groups": torch_groups},
+                "fp32_flat_groups": flats,
+            },
+            "ds_config": self._config._param_dict,
+            "ds_version": __version__,
+            ckpt_io.OWN_KEY: own,
+        }
 
     # ================================================================== load
 

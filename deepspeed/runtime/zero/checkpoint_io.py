@@ -12,15 +12,30 @@ agree; `deepspeed/utils/zero_to_fp32.py` reads the same files with no process gr
         zero_pp_rank_{r}_mp_rank_00_model_states.pt   one per saving rank r
         zero_pp_rank_{r}_mp_rank_00_optim_states.pt   one per saving rank r (training engines)
 
-A model-states file holds what every reader needs: the parameters' metadata (`ParamMeta`,
-in `module.named_parameters()` order), the saving world size and model dtype, this rank's
-shards of the parameters that have no fp32 master (frozen ones; all of them for an
-inference engine), the engine counters, the LR scheduler state and the client state; rank
-0's file also holds the module's buffers. An optim-states file holds this rank's fp32
-master shards, the optimizer state cut the same way (tensors shaped like the master shard;
-other state, such as Adam's `step`, only in rank 0's file), the param groups'
-hyperparameters with parameter names in place of indices, and the loss scaler. All files
-of one save carry the same random `save_id`.
+Since format version 2 the files are laid out as upstream DeepSpeed's stage-3 files, so
+that upstream's `zero_to_fp32` and Lightning's `convert_zero_checkpoint_to_fp32_state_dict`
+read them, and this package's own metadata sits under one key, `zero3_checkpoint`:
+
+  *_model_states.pt   upstream's keys: `module` (rank 0: the persistent buffers), `buffer_names`,
+                      `param_shapes` (one ordered {name: shape} per optimizer param group),
+                      `frozen_param_shapes`, `frozen_param_fragments` (this rank's shards of the
+                      parameters without an fp32 master), `shared_params` {alias: name},
+                      `lr_scheduler`, `global_steps`, `global_samples`, `skipped_steps`,
+                      `dp_world_size`, `mp_world_size`, `ds_config`, `ds_version`; the client
+                      state's keys at the top level too (refused if they collide with these);
+                      `zero3_checkpoint`: header, `ParamMeta` list in named_parameters() order,
+                      dtype, `micro_steps`, `client_state_keys`.
+  *_optim_states.pt   `optimizer_state_dict`: `zero_stage` 3, `partition_count`, `loss_scaler`,
+                      `overflow`, `fp32_flat_groups` (per group, this rank's fp32 master shards
+                      one after another in `param_shapes` order) and the torch optimizer's
+                      `state` / `param_groups` keyed by group with flat moments; `zero3_checkpoint`:
+                      header, `fp32_master_shards` and `optimizer_state` per name (views into the
+                      flat tensors, so stored once), replicated state such as Adam's `step`
+                      (rank 0), param groups with parameter names, loss scaler, overflow.
+
+All files of one save carry the same random `save_id`. Version-1 files (everything at the
+top level, client state under `client_state`) still load; so do upstream DeepSpeed's own
+stage-3 files, through `checkpoint_upstream.normalize_upstream`.
 
 [Note: crash-safe writes]
 Each file is written under a temporary name in its final directory, flushed, fsync'd, and
@@ -51,10 +66,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from deepspeed.runtime.zero.checkpoint_upstream import (
+    UpstreamFormatError,
+    is_upstream_model_states,
+    load_checkpoint_file,
+    normalize_upstream,
+    upstream_optim_path,
+)
 from deepspeed.runtime.zero.param_state import shard_sizes
 
 FORMAT = "deepspeed-zero3-sharded"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+OWN_KEY = "zero3_checkpoint"  # this package's metadata inside a file laid out as upstream's
 LATEST_FILE = "latest"
 RECOVERY_SCRIPT = "zero_to_fp32.py"
 
@@ -211,30 +234,55 @@ def read_latest(load_dir: str) -> Optional[str]:
     return tag
 
 
-def load_file(path: str, what: str) -> dict:
-    """`torch.load` a checkpoint file memory-mapped on the CPU, or raise `CheckpointError` naming it.
+def load_file(path: str, what: str) -> Any:
+    """Load a checkpoint file memory-mapped on the CPU, or raise `CheckpointError` naming it.
 
-    The files are pickles (client state and param groups may hold any picklable object), as
-    upstream's are: load only checkpoints you trust.
+    Upstream DeepSpeed's pickled classes come back as plain data, and other globals are
+    refused unless the client state needs them (see [Note: upstream's pickled classes] in
+    checkpoint_upstream.py): load only checkpoints you trust.
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing ({what}); the checkpoint is incomplete")
     try:
-        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return load_checkpoint_file(path)
     except Exception as err:  # torch raises RuntimeError, EOFError, pickle errors, ...
         raise CheckpointError(
             f"{path}: cannot read the {what}: the file is truncated or corrupt ({type(err).__name__}: {err})"
         ) from err
-    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+
+
+def own_layout(obj: Any, path: str, kind: str) -> dict:
+    """The reader's view of one of this package's files (`kind` "model" or "optim"), any version.
+
+    Version 2 keeps upstream's key names at the top level (see [Note: checkpoint layout]) and
+    this package's own metadata under `zero3_checkpoint`; version 1 had everything at the top
+    level and the client state under `client_state`.
+    """
+    inner = obj.get(OWN_KEY) if isinstance(obj, dict) else None
+    flat = inner if isinstance(inner, dict) else obj
+    if not isinstance(flat, dict) or flat.get("format") != FORMAT:
         raise CheckpointError(
-            f"{path}: not a sharded ZeRO-3 checkpoint file of this package (format={_get(obj, 'format')!r})"
+            f"{path}: not a sharded ZeRO-3 checkpoint file of this package or of upstream DeepSpeed "
+            f"(format={_get(flat, 'format')!r})"
         )
-    if obj.get("format_version", 0) > FORMAT_VERSION:
+    if flat.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(
-            f"{path}: format version {obj['format_version']} is newer than this package reads "
+            f"{path}: format version {flat['format_version']} is newer than this package reads "
             f"({FORMAT_VERSION}); upgrade deepspeed"
         )
-    return obj
+    if flat is obj or kind == "optim":
+        return flat
+    shared = obj.get("shared_params") or {}
+    return {
+        **inner,
+        "buffers": obj.get("module") or {},
+        "frozen_param_shards": obj.get("frozen_param_fragments") or {},
+        "shared_params": [[a, c] for a, c in shared.items()],
+        "lr_scheduler": obj.get("lr_scheduler"),
+        "global_steps": obj.get("global_steps"),
+        "global_samples": obj.get("global_samples"),
+        "client_state": {k: obj[k] for k in inner.get("client_state_keys", ()) if k in obj},
+    }
 
 
 def _get(obj: Any, key: str) -> Any:
@@ -297,35 +345,96 @@ class ShardedCheckpoint:
     model_states: list  # one dict per saving rank
     optim_states: Optional[list]  # one dict per saving rank; None if saved without an optimizer
 
-    def __init__(self, directory: str, model_states: list, optim_states: Optional[list]) -> None:
+    def __init__(
+        self,
+        directory: str,
+        model_states: list,
+        optim_states: Optional[list],
+        optim_paths: Optional[list] = None,
+        origin: str = "deepspeed (this package)",
+    ) -> None:
         self.directory = directory
         self.model_states = model_states
         self.optim_states = optim_states
+        self.origin = origin
         first = model_states[0]
         self.world_size = first["world_size"]
         self.dtype = first["dtype"]
         self.params = OrderedDict((d["name"], ParamMeta.from_dict(d)) for d in first["params"])
+        self._optim_paths = optim_paths
 
     @classmethod
     def open(cls, directory: str) -> ShardedCheckpoint:
         if not os.path.isdir(directory):
             raise CheckpointError(f"{directory}: no such checkpoint directory")
         first_path = os.path.join(directory, model_states_name(0))
-        first = load_file(first_path, "model states of rank 0")
+        raw = load_file(first_path, "model states of rank 0")
+        if is_upstream_model_states(raw):
+            return cls._open_upstream(directory, raw)
+        first = own_layout(raw, first_path, "model")
         world = first.get("world_size")
         if not isinstance(world, int) or world < 1:
             raise CheckpointError(f"{first_path}: invalid saving world_size {world!r}")
         model_states = [first]
         for r in range(1, world):
             path = os.path.join(directory, model_states_name(r))
-            model_states.append(load_file(path, f"model states of rank {r}"))
+            model_states.append(own_layout(load_file(path, f"model states of rank {r}"), path, "model"))
         optim_states = None
         if first.get("has_optimizer"):
             optim_states = []
             for r in range(world):
                 path = os.path.join(directory, optim_states_name(r))
-                optim_states.append(load_file(path, f"optimizer states of rank {r}"))
+                optim_states.append(
+                    own_layout(load_file(path, f"optimizer states of rank {r}"), path, "optim")
+                )
         ckpt = cls(directory, model_states, optim_states)
+        ckpt._check_headers()
+        ckpt._check_shards()
+        return ckpt
+
+    @classmethod
+    def _open_upstream(cls, directory: str, first: dict) -> ShardedCheckpoint:
+        """A tag folder written by upstream DeepSpeed at stage 3 (see checkpoint_upstream.py)."""
+        first_path = os.path.join(directory, model_states_name(0))
+        world = first.get("dp_world_size")
+        if not isinstance(world, int) or world < 1:
+            raise CheckpointError(
+                f"{first_path}: invalid 'dp_world_size' {world!r} (upstream DeepSpeed file)"
+            )
+        if first.get("mp_world_size", 1) != 1:
+            raise CheckpointError(
+                f"{first_path}: saved with model parallelism ({first['mp_world_size']} ranks); only "
+                "data-parallel ZeRO-3 checkpoints can be loaded"
+            )
+        model_sds = [first]
+        for r in range(1, world):
+            path = os.path.join(directory, model_states_name(r))
+            model_sds.append(load_file(path, f"model states of rank {r}"))
+        optim_paths = [upstream_optim_path(directory, r) for r in range(world)]
+        optim_sds = None
+        if any(optim_paths):
+            optim_sds = []
+            for r, path in enumerate(optim_paths):
+                path = path or os.path.join(directory, optim_states_name(r))
+                optim_sds.append(load_file(path, f"optimizer states of rank {r}"))
+                optim_paths[r] = path
+        paths = [(os.path.join(directory, model_states_name(r)), optim_paths[r]) for r in range(world)]
+        try:
+            model_states, optim_states = normalize_upstream(directory, model_sds, optim_sds, paths)
+        except (UpstreamFormatError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(
+                f"{directory}: cannot read this upstream DeepSpeed checkpoint: {err}"
+            ) from err
+        for r, sd in enumerate(optim_sds or []):
+            count = sd["optimizer_state_dict"].get("partition_count", world)
+            count = max(count) if isinstance(count, (list, tuple)) else count
+            if count != world:
+                raise CheckpointError(
+                    f"{optim_paths[r]}: partitioned over {count} ranks but {world} model files say "
+                    f"{world}; the files were mixed up"
+                )
+        version = first.get("ds_version")
+        ckpt = cls(directory, model_states, optim_states, optim_paths, origin=f"upstream DeepSpeed {version}")
         ckpt._check_headers()
         ckpt._check_shards()
         return ckpt
@@ -336,6 +445,8 @@ class ShardedCheckpoint:
         return os.path.join(self.directory, model_states_name(rank))
 
     def optim_file(self, rank: int) -> str:
+        if self._optim_paths is not None:
+            return self._optim_paths[rank]
         return os.path.join(self.directory, optim_states_name(rank))
 
     def _check_headers(self) -> None:

@@ -1,0 +1,251 @@
+"""Checkpoints written by upstream DeepSpeed 0.19.8 at stage 3 load here on another number of ranks.
+
+The fixtures in tests/fixtures/upstream/ were written by upstream itself, in its own virtual
+environment (`make_fixtures.py` there says how), on 1 and 2 CPU ranks, in fp32 and bf16. Each
+holds upstream's own consolidation of the save (`get_fp32_state_dict_from_zero_checkpoint`)
+and every parameter's fp32 master after one more step on a batch every rank saw. Here the same
+`TinyNet` loads each of them on 1 and 2 ranks (1 -> 1, 1 -> 2, 2 -> 1, 2 -> 2):
+
+- the gathered weights equal upstream's consolidated ones exactly (bf16: the weights are the
+  fp32 masters cast), the buffers and client state come back, the step counters too;
+- one more step on the same batch gives upstream's loss and learning rate, and the weights
+  plain PyTorch AdamW computes from the moments, step count and hyperparameters in upstream's
+  files (so all of them were restored); re-saved by our engine, consolidated by our
+  `zero_to_fp32`. (Upstream's own step from that state lands up to 4e-3 away from plain
+  PyTorch's at lr 1e-2, in its continuing run and in its own resume alike, so its recorded
+  `after_step` weights are kept in the fixture but not compared.);
+- our `zero_to_fp32` reads the upstream folders directly, with no process group.
+
+When benchmarks/.venv-upstream exists, upstream's own `zero_to_fp32` also reads a checkpoint
+written by this package (the other direction); without it that test is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.unit.common import DistributedTest
+
+pytestmark = pytest.mark.clients
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "upstream")
+UPSTREAM_PYTHON = os.path.join(REPO, "benchmarks", ".venv-upstream", "bin", "python")
+NAMES = ("fp32_ws1", "fp32_ws2", "bf16_ws1", "bf16_ws2")
+
+
+def fixture_module():
+    """make_fixtures.py, imported by path: TinyNet, config, trainable, TAG, TRAIN_STEPS."""
+    spec = importlib.util.spec_from_file_location(
+        "upstream_make_fixtures", os.path.join(FIXTURES, "make_fixtures.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def reference(name: str) -> dict:
+    return torch.load(os.path.join(FIXTURES, name, "reference.pt"), weights_only=True)
+
+
+def build(fx, dtype: str):
+    import deepspeed
+
+    cfg = fx.config(dtype)
+    torch.manual_seed(99)  # other initial weights than upstream's: all must come from the file
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = fx.TinyNet()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=fx.trainable(model), config=cfg)
+    return engine
+
+
+def gathered(module: torch.nn.Module) -> dict:
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    with GatheredParameters(list(module.parameters())):
+        return {n: p.data.detach().clone() for n, p in module.named_parameters()}
+
+
+def check_loaded(engine, ref: dict, name: str, client_state: dict, fx) -> None:
+    expected = ref["consolidated"]
+    got = gathered(engine.module)
+    assert set(got) | {"out.weight"} == set(expected) - {"temperature"}, name
+    for key, value in got.items():
+        want = expected[key].to(value.dtype)  # bf16: the fp32 masters, cast as the step casts them
+        assert torch.equal(value, want), f"{name}: {key}"
+    assert torch.equal(expected["out.weight"], expected["embed.weight"])  # tied in upstream's output
+    assert torch.equal(engine.module.temperature.float(), expected["temperature"])
+    assert client_state == ref["client_state"], name
+    saving_ranks = int(name[-1])
+    assert engine.global_steps == fx.TRAIN_STEPS
+    assert engine.global_samples == 2 * saving_ranks * fx.TRAIN_STEPS  # micro batch 2 per saving rank
+
+
+def plain_next_step(name: str, ref: dict, fx) -> dict:
+    """The extra step in plain PyTorch from upstream's files: AdamW with the saved moments, step
+    count, hyperparameters and learning rate, read straight from rank files by `param_shapes`
+    order (the flat layout; see checkpoint_upstream.py), on the consolidated weights."""
+    from deepspeed.runtime.zero.checkpoint_upstream import load_checkpoint_file, upstream_optim_path
+
+    tag_dir = os.path.join(FIXTURES, name, fx.TAG)
+    ranks = int(name[-1])
+    model_sd = load_checkpoint_file(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    zero_sds = [
+        load_checkpoint_file(upstream_optim_path(tag_dir, r))["optimizer_state_dict"] for r in range(ranks)
+    ]
+    names = list(model_sd["param_shapes"][0])
+    model = fx.TinyNet()
+    model.load_state_dict(ref["consolidated"], strict=False)
+    if name.startswith("bf16"):
+        model = model.to(torch.bfloat16)  # the gradient as the bf16 model computes it
+    params = dict(model.named_parameters())
+    ids, targets = ref["batches"][fx.TRAIN_STEPS]
+    model(ids, targets).backward()
+    masters = {n: ref["consolidated"][n].detach().clone().requires_grad_(True) for n in names}
+    for n in names:
+        masters[n].grad = params[n].grad.float()
+    group = zero_sds[0]["optimizer_state_dict"]["param_groups"][0]
+    hyper = {k: v for k, v in group.items() if k in ("lr", "betas", "eps", "weight_decay")}
+    opt = torch.optim.AdamW([masters[n] for n in names], **hyper)
+    offsets, start = {}, 0
+    for n in names:
+        size = -(-masters[n].numel() // ranks)  # each rank's shard, padding included
+        offsets[n] = (start, size)
+        start += size
+    for n in names:
+        start, size = offsets[n]
+        state = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            flat = torch.cat(
+                [z["optimizer_state_dict"]["state"][0][key][start : start + size] for z in zero_sds]
+            )
+            state[key] = flat[: masters[n].numel()].view_as(masters[n]).clone()
+        state["step"] = zero_sds[0]["optimizer_state_dict"]["state"][0]["step"].clone()
+        opt.state[masters[n]] = state
+    opt.step()
+    return {n: m.detach() for n, m in masters.items()}
+
+
+def check_next_step(engine, ref: dict, name: str, save_dir: str, fx, bf16: bool) -> None:
+    """One more step from the loaded state equals plain PyTorch's from upstream's files; saved
+    by us and consolidated by our zero_to_fp32."""
+    from deepspeed import comm as dist
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ids, targets = ref["batches"][fx.TRAIN_STEPS]
+    loss = engine(ids, targets)
+    engine.backward(loss)
+    engine.step()
+    assert float(loss.detach()) == pytest.approx(ref["resumed_loss"], rel=1e-2 if bf16 else 1e-6)
+    assert engine.get_lr() == pytest.approx(ref["lr_after_resume_step"])
+    engine.save_checkpoint(save_dir)
+    if dist.get_rank() == 0:
+        ours = get_fp32_state_dict_from_zero_checkpoint(save_dir)
+        tol = dict(rtol=0, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
+        for key, value in plain_next_step(name, ref, fx).items():
+            torch.testing.assert_close(ours[key], value, **tol, msg=lambda m, k=key: f"{name}: {k}: {m}")
+    dist.barrier()
+
+
+class TestUpstreamCheckpoints(DistributedTest):
+    world_size = [1, 2]
+
+    def test_load_on_any_number_of_ranks(self, tmp_path):
+        fx = fixture_module()
+        for name in NAMES:
+            dtype = name.split("_")[0]
+            ref = reference(name)
+            engine = build(fx, dtype)
+            path, client_state = engine.load_checkpoint(os.path.join(FIXTURES, name))
+            assert path is not None and path.endswith("_model_states.pt"), name
+            check_loaded(engine, ref, name, client_state, fx)
+            check_next_step(engine, ref, name, str(tmp_path / f"resaved_{name}"), fx, dtype == "bf16")
+            engine.destroy()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_zero_to_fp32_reads_upstream_folders(name, tmp_path):
+    from deepspeed.utils import zero_to_fp32
+
+    ref = reference(name)
+    state_dict = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, name))
+    assert set(state_dict) == set(ref["consolidated"])
+    for key, value in ref["consolidated"].items():
+        assert torch.equal(state_dict[key], value), key
+    out = tmp_path / "model.bin"
+    assert zero_to_fp32.main([os.path.join(FIXTURES, name), str(out)]) == 0
+    assert set(torch.load(out, weights_only=True)) == set(ref["consolidated"])
+
+
+def test_upstream_pickled_classes_load_as_plain_data():
+    from deepspeed.runtime.zero.checkpoint_upstream import load_checkpoint_file
+
+    tag_dir = os.path.join(FIXTURES, "bf16_ws2", "global_step3")
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(
+        os.path.join(tag_dir, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    )
+    assert "deepspeed.runtime.fp16.loss_scaler.LossScaler" in unsafe  # what upstream pickles
+    sd = load_checkpoint_file(os.path.join(tag_dir, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    zero_sd = sd["optimizer_state_dict"]
+    assert type(zero_sd["zero_stage"]) is int and zero_sd["zero_stage"] == 3
+    assert zero_sd["loss_scaler"] == {"cur_scale": 1.0, "dynamic": False}
+
+
+def test_a_stage_2_or_foreign_file_is_refused_by_name(tmp_path):
+    from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ShardedCheckpoint
+
+    tag = tmp_path / "t"
+    tag.mkdir()
+    torch.save({"hello": 1}, tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match="zero_pp_rank_0_mp_rank_00_model_states.pt: not a sharded"):
+        ShardedCheckpoint.open(str(tag))
+
+
+class _SaveOurs(DistributedTest):
+    """Not collected: run by the test below at world size 2."""
+
+    world_size = 2
+
+    def test_save(self, path):
+        fx = fixture_module()
+        engine = build(fx, "fp32")
+        for ids, targets in fx.make_batches(2):
+            engine.backward(engine(ids, targets))
+            engine.step()
+        engine.save_checkpoint(path, client_state={"epoch": 1})
+
+
+@pytest.mark.skipif(not os.path.exists(UPSTREAM_PYTHON), reason="no benchmarks/.venv-upstream")
+def test_upstream_zero_to_fp32_reads_our_checkpoint(tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from tests.unit.common import _run_distributed
+
+    ckpt = str(tmp_path / "ours")
+    _run_distributed(_SaveOurs, "test_save", 2, {"path": ckpt})
+    out = str(tmp_path / "upstream_consolidated.bin")
+    script = (
+        "import sys, torch\n"
+        "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as get\n"
+        "torch.save(dict(get(sys.argv[1])), sys.argv[2])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["DS_ACCELERATOR"] = "cpu"
+    done = subprocess.run(
+        [UPSTREAM_PYTHON, "-c", script, ckpt, out], env=env, cwd=str(tmp_path), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = torch.load(out, weights_only=True)
+    ours = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    assert set(theirs) == set(ours)
+    for key, value in ours.items():
+        assert torch.equal(theirs[key], value), key
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
