@@ -24,9 +24,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.zero import checkpoint_io as ckpt_io
-from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ParamMeta, ShardedCheckpoint
-from deepspeed.runtime.zero.param_state import is_zero_param
 from deepspeed.utils.logging import log_dist, logger
 from deepspeed.version import __version__
 
@@ -233,11 +231,12 @@ class CheckpointMixin:
         masters = self.optimizer.masters if self.optimizer is not None else {}
         entries = []
         for name, param in self.module.named_parameters():
-            if not is_zero_param(param):
+            state = self._shard_state_of(param)
+            if state is None:
                 raise CheckpointError(
-                    f"parameter {name!r} is not partitioned; the engine should have converted it"
+                    f"parameter {name!r} has no shard on this rank; it was added to the model after "
+                    "deepspeed.initialize, which checkpoints do not support"
                 )
-            state = param._zero_state
             if state.world_size != _world_size():
                 raise CheckpointError(
                     f"parameter {name!r} is partitioned over {state.world_size} ranks, not the world's "
@@ -290,7 +289,9 @@ class CheckpointMixin:
         buffers = OrderedDict(_persistent_buffers(self.module)) if rank0 else OrderedDict()
         own = {
             **header,
-            "zero_stage": 3,
+            # The stage trained at; every stage saves the same layout (this rank's slice of every
+            # parameter), so a checkpoint loads at any stage and any world size.
+            "zero_stage": self.zero_optimization_stage(),
             "dtype": str(self.dtype),
             "params": [meta.to_dict() for _, _, meta in entries],
             "has_optimizer": self.optimizer is not None,
@@ -367,6 +368,7 @@ class CheckpointMixin:
         }
         return {
             # Upstream's layout of a stage-3 optimizer file: its zero_to_fp32 and Lightning read it.
+            # Every stage writes it (stages 0-2 shard the optimizer the same way), so it says 3.
             "optimizer_state_dict": {
                 "zero_stage": 3,
                 "loss_scaler": opt.loss_scaler.state_dict(),
@@ -412,7 +414,7 @@ class CheckpointMixin:
         _on_all_ranks(
             "load_checkpoint", self._apply_checkpoint, ckpt, load_optim, load_sched, load_module_only
         )
-        gather.refresh_gathered(self.persistent)
+        self._refresh_full_params(after_load=True)  # gathered (stage 3) or full (0-2) tensors
         rank = _rank()
         log_dist(f"loaded checkpoint {ckpt_dir} (saved on {ckpt.world_size} rank(s))", ranks=[0])
         return ckpt.model_file(rank if rank < ckpt.world_size else 0), ckpt.client_state(rank)
@@ -436,7 +438,7 @@ class CheckpointMixin:
 
     def _open_checkpoint(self, ckpt_dir: str, load_optim: bool, strict: bool) -> ShardedCheckpoint:
         ckpt = ShardedCheckpoint.open(ckpt_dir)
-        shapes = {name: tuple(p.ds_shape) for name, p in self.module.named_parameters()}
+        shapes = {name: tuple(self._shard_state_of(p).shape) for name, p in self.module.named_parameters()}
         ckpt_io.check_against_model(ckpt, shapes, strict)
         self._check_buffers_fit(ckpt, strict)
         if load_optim:
@@ -460,9 +462,8 @@ class CheckpointMixin:
     def _master_names(self) -> dict:
         """id(master) -> parameter name, for the optimizer's fp32 masters."""
         masters = self.optimizer.masters
-        return {
-            id(masters[p.ds_id]): name for name, p in self.module.named_parameters() if p.ds_id in masters
-        }
+        ids = {name: self._shard_state_of(p).ds_id for name, p in self.module.named_parameters()}
+        return {id(masters[i]): name for name, i in ids.items() if i in masters}
 
     def _check_optimizer_fits(self, ckpt: ShardedCheckpoint) -> None:
         where = ckpt.model_file(0)
@@ -533,7 +534,7 @@ class CheckpointMixin:
         for name, param in self.module.named_parameters():
             if name not in ckpt.params:
                 continue  # load_module_strict=False: the model keeps its own values
-            state = param._zero_state
+            state = self._shard_state_of(param)
             weights = ckpt.resharded_weight(name, state.world_size, state.rank)
             master = masters.get(state.ds_id)
             if master is None:

@@ -88,6 +88,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         else:
             self._prepare_replicated_module()
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
+        if self.optimizer is not None:
+            self.optimizer.before_step = self._settle_live_gathers
+            self.optimizer.after_step = self._refresh_full_params
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         self._grad_hooks = self._install_grad_hooks() if self.optimizer is not None else []
@@ -268,11 +271,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 "engine.step() needs an optimizer; pass one to deepspeed.initialize or the config"
             )
         if self.is_gradient_accumulation_boundary():
-            self._settle_live_gathers()
             if not self.zero_optimization_partition_gradients():  # a boundary that backward did not see
                 reduce_accumulated_grads(self.optimizer.states, self.reducer)
-            stepped = self.optimizer.step()
-            self._refresh_full_params()
+            stepped = self.optimizer.step()  # settles live gathers, then refreshes full tensors
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.optimizer.zero_grad()

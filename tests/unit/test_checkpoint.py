@@ -90,9 +90,11 @@ class _SaveOnTwo(DistributedTest):
 
     world_size = 2
 
-    def test_save(self, path):
+    def test_save(self, path, stage=3):
         data = all_data()
-        engine = build(train_config())
+        engine = build(
+            train_config(zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 50})
+        )
         train(engine, data[:SAVE_STEPS])
         engine.save_checkpoint(path, client_state=CLIENT_STATE)
         saved = gathered_params(engine.module)
@@ -108,6 +110,14 @@ class _SaveOnTwo(DistributedTest):
 def two_rank_checkpoint(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("two_rank_checkpoint"))
     _run_distributed(_SaveOnTwo, "test_save", 2, {"path": path})
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_rank_stage2_checkpoint(tmp_path_factory):
+    """The same run at ZeRO stage 2 (full parameters, sharded gradients and optimizer state)."""
+    path = str(tmp_path_factory.mktemp("two_rank_stage2_checkpoint"))
+    _run_distributed(_SaveOnTwo, "test_save", 2, {"path": path, "stage": 2})
     return path
 
 
@@ -134,6 +144,19 @@ class TestElasticLoad(DistributedTest):
         losses = train(engine, all_data()[SAVE_STEPS:])
         if dist.get_world_size() == 2:
             assert losses == reference["losses"]  # same ranks, same reduction order: bit for bit
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
+        final = gathered_params(engine.module)
+        for name, value in reference["final"].items():
+            torch.testing.assert_close(final[name], value, rtol=1e-5, atol=5e-5, msg=name)
+
+    @pytest.mark.parametrize("load_stage", [1, 2, 3])
+    def test_a_stage2_save_resumes_at_every_stage(self, two_rank_stage2_checkpoint, load_stage):
+        reference = load_reference(two_rank_stage2_checkpoint)
+        zero = {"stage": load_stage, "stage3_param_persistence_threshold": 50}
+        engine = build(train_config(zero_optimization=zero), seed=0)
+        engine.load_checkpoint(two_rank_stage2_checkpoint)
+        assert_equal_params(gathered_params(engine.module), reference["saved"])
+        losses = train(engine, all_data()[SAVE_STEPS:])
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
         final = gathered_params(engine.module)
         for name, value in reference["final"].items():

@@ -432,3 +432,33 @@ class TestOptimizerOffload(DistributedTest):
                 model=model,
                 config=sgd_config(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}),
             )
+
+
+class TestCheckpointsAcrossStages(DistributedTest):
+    """Every stage saves the same layout: a checkpoint loads at any stage and world size."""
+
+    world_size = [2]
+
+    @pytest.mark.parametrize("save_stage, load_stage", [(1, 1), (2, 2), (2, 3), (3, 1), (1, 2)])
+    def test_save_at_one_stage_load_at_another(self, tmp_path, save_stage, load_stage):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        adam = {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}
+        zero = {"stage": save_stage, "stage3_param_persistence_threshold": 0}
+        engine, _ = twin(OutsideUses, zero_optimization=zero, optimizer=adam)
+        data = make_data(4, (WIDTH,), seed=2)
+        engine_losses(engine, data[:2])
+        save_dir = str(tmp_path / f"s{save_stage}")  # the parent's tmp_path: the same on every rank
+        engine.save_checkpoint(save_dir)
+        continued = engine_losses(engine, data[2:])
+
+        torch.manual_seed(99)  # different initial values: the load must overwrite them
+        zero = {"stage": load_stage, "stage3_param_persistence_threshold": 0}
+        fresh, *_ = deepspeed.initialize(
+            model=OutsideUses(), config=sgd_config(zero_optimization=zero, optimizer=adam)
+        )
+        fresh.load_checkpoint(save_dir)
+        resumed = engine_losses(fresh, data[2:])
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(continued), rtol=1e-5, atol=0)
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(save_dir)
+        assert set(consolidated) == {n for n, _ in OutsideUses().named_parameters()}

@@ -126,6 +126,8 @@ class ZeroStage3Optimizer(ZeROOptimizer):
     ) -> None:
         self.config = config
         self.offload = master_device is not None  # masters, their grads and the state off the device
+        self.before_step: Optional[Callable[[], None]] = None  # set by the engine (see step())
+        self.after_step: Optional[Callable[[], None]] = None
         self.pin_masters = pin_masters
         # param -> the object that owns its shard: a ZeroParamState (stage 3, the default) or
         # a ReplicatedShard (stages 0-2, see stage_1_and_2.py); None for no shard.
@@ -276,7 +278,14 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         return math.sqrt(local.item()) if math.isfinite(local.item()) else float("inf")
 
     def step(self) -> bool:
-        """Unscale, check overflow, clip, step, and write masters back. False if skipped."""
+        """Unscale, check overflow, clip, step, and write masters back. False if skipped.
+
+        The engine's `before_step` / `after_step` run around it (live gathers settled first,
+        full or gathered tensors refreshed after), so a client that calls this directly
+        (Lightning's Fabric does) leaves the model as consistent as `engine.step()` does.
+        """
+        if self.before_step is not None:
+            self.before_step()
         scale = self.loss_scaler.loss_scale
         scaled_norm = self._global_norm_of_scaled_grads()
         self.overflow = self.config.fp16_enabled and not math.isfinite(scaled_norm)
@@ -294,6 +303,8 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         self.refresh_edited_masters()
         self.optimizer.step()
         self._write_back_masters()
+        if self.after_step is not None:
+            self.after_step()
         self.loss_scaler.update_scale(False)
         return True
 
