@@ -224,7 +224,9 @@ def test_offload_optimizer_to_cpu_parses_and_nvme_is_refused():
     block = DeepSpeedConfig(cfg).zero_config.offload_optimizer
     assert block.device == "cpu" and block.pin_memory
     nvme = _config_with("zero_optimization.offload_optimizer", {"device": "nvme", "nvme_path": "/tmp/nvme"})
-    with pytest.raises(ValueError, match=r"offload_optimizer\.device='nvme'.*not implemented.*'cpu' or 'none'"):
+    with pytest.raises(
+        ValueError, match=r"offload_optimizer\.device='nvme'.*not implemented.*'cpu' or 'none'"
+    ):
         DeepSpeedConfig(nvme)
 
 

@@ -33,7 +33,9 @@ class TestZooModels(DistributedTest):
 
     @ALL_STAGES
     def test_resnet_batchnorm_inplace_relu_residual(self, stage):
-        check_parity(Case("resnet_bn", zm.TinyResNet, zm.image_batch, zm.classifier_loss, lr=0.05, stage=stage))
+        check_parity(
+            Case("resnet_bn", zm.TinyResNet, zm.image_batch, zm.classifier_loss, lr=0.05, stage=stage)
+        )
 
     def test_vit_trunc_normal_reinit_under_zero_init(self):
         case = Case("vit_trunc_normal_init", zm.TinyViT, zm.image_batch, zm.classifier_loss, under_init=True)
@@ -76,7 +78,9 @@ class TestZooModels(DistributedTest):
 
     @ALL_STAGES
     def test_lstm(self, stage):
-        check_parity(Case("lstm", lambda: zm.RNNModel("lstm"), zm.token_batch, zm.lm_loss, lr=0.5, stage=stage))
+        check_parity(
+            Case("lstm", lambda: zm.RNNModel("lstm"), zm.token_batch, zm.lm_loss, lr=0.5, stage=stage)
+        )
 
     @ALL_STAGES
     def test_gru(self, stage):
@@ -85,12 +89,20 @@ class TestZooModels(DistributedTest):
     @ALL_STAGES
     def test_embedding_padding_idx(self, stage):
         got, _ = check_parity(
-            Case("embedding_padding_idx", zm.PaddedEmbeddingModel, zm.padded_token_batch, zm.lm_loss, stage=stage)
+            Case(
+                "embedding_padding_idx",
+                zm.PaddedEmbeddingModel,
+                zm.padded_token_batch,
+                zm.lm_loss,
+                stage=stage,
+            )
         )
         assert torch.all(gathered(got.model)["embed.weight"][0] == 0)  # the padding row never trains
 
     @ALL_STAGES
     def test_bf16_gpt2_vs_autocast(self, stage):
-        case = Case("bf16_gpt2_vs_autocast", zm.gpt2, zm.token_batch, zm.hf_causal_loss, bf16=True, stage=stage)
+        case = Case(
+            "bf16_gpt2_vs_autocast", zm.gpt2, zm.token_batch, zm.hf_causal_loss, bf16=True, stage=stage
+        )
         got, _ = check_parity(case, loss_rtol=BF16_LOSS_RTOL, param_atol=BF16_PARAM_ATOL, check_buffers=False)
         assert next(got.model.parameters()).dtype == torch.bfloat16

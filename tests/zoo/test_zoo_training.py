@@ -82,7 +82,9 @@ class TestZooTraining(DistributedTest):
     @AND_OFFLOAD
     def test_activation_checkpoint_non_reentrant(self, stage, offload):
         build_fn = lambda: zm.TokenMLP(use_reentrant=False)  # noqa: E731
-        check_parity(token_mlp_case("act_ckpt_non_reentrant", build=build_fn, steps=4, stage=stage, offload=offload))
+        check_parity(
+            token_mlp_case("act_ckpt_non_reentrant", build=build_fn, steps=4, stage=stage, offload=offload)
+        )
 
     @ALL_STAGES
     @AND_OFFLOAD
@@ -109,7 +111,9 @@ class TestZooTraining(DistributedTest):
     @ALL_STAGES
     @AND_OFFLOAD
     def test_two_param_groups_lr_and_weight_decay(self, stage, offload):
-        got, _ = check_parity(token_mlp_case("two_param_groups", optimizer=decay_groups, stage=stage, offload=offload))
+        got, _ = check_parity(
+            token_mlp_case("two_param_groups", optimizer=decay_groups, stage=stage, offload=offload)
+        )
         lrs = sorted(g["lr"] for g in got.engine.optimizer.param_groups)
         assert lrs == [0.05, 0.2]
 
