@@ -39,12 +39,7 @@ SAVE_STEP = 4
 TOTAL_STEPS = 6
 FABRIC_STEPS = 3
 
-# Stages 1 and 2 run once deepspeed/runtime/zero/stage_1_and_2.py is in the engine.
-STAGES = [
-    pytest.param(1, marks=pytest.mark.skip(reason="stage 1 engine in progress (stage_1_and_2.py)")),
-    pytest.param(2, marks=pytest.mark.skip(reason="stage 2 engine in progress (stage_1_and_2.py)")),
-    3,
-]
+STAGES = [1, 2, 3]
 
 
 @pytest.fixture(scope="module", params=STAGES)
@@ -98,12 +93,6 @@ def test_trainer_resume_continues_like_the_uninterrupted_run(lightning_run):
         assert trainer["resumed_losses"] == pytest.approx(trainer["straight_losses"][SAVE_STEP:], rel=1e-5), r
 
 
-@pytest.mark.xfail(
-    reason="Fabric steps the ZeRO optimizer object directly (optimizer.step(), not engine.step(), as "
-    "with upstream, whose engine is not `Optimizable`); ZeroStage3Optimizer.step() leaves "
-    "persistent gathered parameters stale until engine.step() re-gathers them (stage3.py/engine.py)",
-    strict=False,
-)
 def test_fabric_save_load(lightning_run):
     for r, res in enumerate(lightning_run):
         fabric = res["fabric"]
