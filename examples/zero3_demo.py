@@ -6,11 +6,15 @@ It builds a small transformer with `zero.Init(...).start()` / `stop()`, checks t
 partitioned model equals the same-seed plain model, edits a weight once with
 `GatheredParameters(..., modifier_rank=0).start()` / `stop()`, then trains it a few steps
 with the stage-3 engine (`deepspeed.initialize`), printing the loss and each rank's bytes
-of parameters, gradients and optimizer state.
+of parameters, gradients and optimizer state. Finally it saves a checkpoint, loads it into a
+stage-2 engine whose optimizer state lives on the CPU (`offload_optimizer`), and trains both
+engines on, side by side: the losses agree, whatever the stage.
 """
 
 import argparse
+import shutil
 import sys
+import tempfile
 
 import torch
 from torch import nn
@@ -95,13 +99,7 @@ def main():
     generator = torch.Generator().manual_seed(1234 + dist.get_rank())  # each rank its own data
     ids = torch.randint(0, VOCAB, (CONFIG["train_micro_batch_size_per_gpu"], SEQ + 1), generator=generator)
     for step in range(STEPS):  # a fixed batch: the loss falls as the model memorizes it
-        logits = engine(ids[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        rank0_print(f"step {step + 1}/{STEPS}: loss {mean.item() / dist.get_world_size():.4f}")
+        rank0_print(f"step {step + 1}/{STEPS}: loss {train_step(engine, ids):.4f}")
 
     local, full = param_bytes(model)
     # fp32 gradient shards live from the first backward of a step until step() frees them
@@ -115,6 +113,33 @@ def main():
     )
     sys.stdout.write(line)  # one write: the ranks share stdout, and print() writes the newline apart
     sys.stdout.flush()
+    continue_at_stage_2(engine, ids)
+
+
+def train_step(engine, ids) -> float:
+    logits = engine(ids[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    engine.backward(loss)
+    engine.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
+def continue_at_stage_2(stage3_engine, ids) -> None:
+    """Checkpoint at stage 3, resume at stage 2 with optimizer offload; both train on alike."""
+    path = [tempfile.mkdtemp(prefix="zero_demo_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)  # one directory for every rank
+    stage3_engine.save_checkpoint(path[0])
+    config = {**CONFIG, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    stage2_engine, *_ = deepspeed.initialize(model=build(zero3=False), config=config)
+    stage2_engine.load_checkpoint(path[0])
+    for step in range(3):
+        a, b = train_step(stage3_engine, ids), train_step(stage2_engine, ids)
+        rank0_print(f"resumed step {step + 1}/3: stage 3 loss {a:.4f}, stage 2 + CPU optimizer loss {b:.4f}")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
 
 
 if __name__ == "__main__":
