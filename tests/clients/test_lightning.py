@@ -11,9 +11,10 @@ Lightning does not spawn processes when LOCAL_RANK is set (it then assumes a lau
 them), so the test runs this file as a script under our own `deepspeed` launcher on 2 ranks,
 on a free port. One run does everything in sequence, since Lightning's start-up dominates:
 
-  trainer  fit 4 steps (one epoch) and `trainer.save_checkpoint` (a sharded folder); a fresh model resumes
-           from it to step 6 (`fit(ckpt_path=...)`), and its losses equal those of an
-           uninterrupted 6-step run; rank 0 converts the folder with Lightning's
+  trainer  an uninterrupted 6-step fit saves at step 4 (the end of epoch 0) from `on_train_batch_end`
+           with `trainer.save_checkpoint` (a sharded folder), as `ModelCheckpoint` does; a fresh
+           model resumes from it to step 6 (`fit(ckpt_path=...)`), and its losses equal the
+           uninterrupted run's; rank 0 converts the folder with Lightning's
            `convert_zero_checkpoint_to_fp32_state_dict` and finds the weights at the save and
            Lightning's own state (global_step, epoch) in the file.
   fabric   `Fabric(strategy=DeepSpeedStrategy(stage=3))` trains 2 steps, `fabric.save`s model,
@@ -80,13 +81,6 @@ def test_trainer_fit_save_resume_convert(lightning_run):
     assert convert["weights_equal_saved"] and convert["keys_equal_state_dict"]
 
 
-@pytest.mark.xfail(
-    reason="open: the first loss after resume equals the uninterrupted run's, the second differs "
-    "(~14% on 2 ranks) although weights and Adam state (step 4) were restored; test_checkpoint's "
-    "and the upstream fixtures' resumes match exactly, so the difference is in the Lightning loop "
-    "after restore; under investigation",
-    strict=False,
-)
 def test_trainer_resume_continues_like_the_uninterrupted_run(lightning_run):
     for r, res in enumerate(lightning_run):
         trainer = res["trainer"]
@@ -174,7 +168,7 @@ def _equal(a: dict, b: dict, prefix: str = "") -> bool:
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _trainer(stage: int, max_steps: int, root: str):
+def _trainer(stage: int, max_steps: int, root: str, callbacks: tuple = ()):
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -188,6 +182,7 @@ def _trainer(stage: int, max_steps: int, root: str):
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=root,
+        callbacks=list(callbacks),
     )
 
 
@@ -195,26 +190,38 @@ def _loader():
     import torch
 
     x, y = _data()
-    # Lightning adds a DistributedSampler: 16 samples a rank, one epoch = SAVE_STEP steps, so the
-    # save falls on an epoch boundary and the resumed epoch sees the batches the straight run saw.
+    # Lightning adds a DistributedSampler, shuffling as for every training loader (seeded, reshuffled
+    # each epoch): 16 samples a rank, one epoch = SAVE_STEP steps, so the save falls on an epoch
+    # boundary and the resumed run must start epoch 1 with its first batch, as the straight run did.
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=False)
 
 
 def _run_trainer(stage: int, out: str, rank: int) -> tuple:
+    import lightning.pytorch as pl
     import torch
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
     tiny = _module_class()
     ckpt = os.path.join(out, "trainer.ckpt")
-    first = tiny()
-    trainer = _trainer(stage, SAVE_STEP, out)
-    trainer.fit(first, train_dataloaders=_loader())
-    saved = _gathered(first.layers)
-    epoch_at_save = trainer.current_epoch
-    trainer.save_checkpoint(ckpt)
+    at_save: dict = {}
+
+    class SaveAtStep(pl.Callback):
+        """Save from `on_train_batch_end`, the hook `ModelCheckpoint(every_n_train_steps=...)` uses.
+
+        Not `trainer.save_checkpoint` after a `fit` that `max_steps` stopped at an epoch's end:
+        Lightning resumes such a checkpoint wrongly whatever the strategy (its loop keeps the
+        finished epoch's batch count, so the resumed fit runs one batch of the next epoch, then
+        starts another; Lightning-AI/pytorch-lightning#19617, the same with plain DDP).
+        """
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step == SAVE_STEP:
+                trainer.save_checkpoint(ckpt)
+                at_save.update(weights=_gathered(pl_module.layers), epoch=trainer.current_epoch)
 
     straight = tiny()
-    _trainer(stage, TOTAL_STEPS, out).fit(straight, train_dataloaders=_loader())
+    _trainer(stage, TOTAL_STEPS, out, callbacks=(SaveAtStep(),)).fit(straight, train_dataloaders=_loader())
+    saved, epoch_at_save = at_save["weights"], at_save["epoch"]
 
     resumed = tiny()
     trainer = _trainer(stage, TOTAL_STEPS, out)
