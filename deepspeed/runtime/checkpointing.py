@@ -79,9 +79,9 @@ def _on_all_ranks(what: str, fn: Callable, *args: Any, agree: bool = False) -> A
     failed = [(r, m) for r, (m, _) in enumerate(outcomes) if m is not None]
     if failed:
         lines = "; ".join(f"rank {r}: {m}" for r, m in failed)
-        raise CheckpointError(
-            f"{what} failed on {len(failed)} of {len(outcomes)} rank(s): {lines}"
-        ) from error
+        # A refused file raises `UnsafeCheckpointError` on the ranks that refused it.
+        kind = type(error) if isinstance(error, CheckpointError) else CheckpointError
+        raise kind(f"{what} failed on {len(failed)} of {len(outcomes)} rank(s): {lines}") from error
     if agree and any(res != outcomes[0][1] for _, res in outcomes):
         answers = ", ".join(f"rank {r}: {res!r}" for r, (_, res) in enumerate(outcomes))
         raise CheckpointError(
@@ -140,6 +140,27 @@ def _place_state(key: str, value: Any, master: torch.Tensor, group: dict) -> Any
     if key == "step" and value.dim() == 0 and not (group.get("capturable") or group.get("fused")):
         return value
     return value.to(master.device)
+
+
+def _warn_if_load_needs_trust(model_path: str) -> None:
+    """Warn at save time when the client state holds types the loader refuses by default.
+
+    The save succeeds (a failing save would lose the training run); the warning names the
+    types and the opt-ins (see [Note: loading untrusted checkpoints] in checkpoint_io.py).
+    """
+    try:
+        refused = ckpt_io.refused_globals(model_path)
+    except Exception as err:  # the scan is advisory: the file itself was written
+        logger.warning(f"{model_path}: could not check the client state's types for loading: {err}")
+        return
+    if refused:
+        logger.warning(
+            f"{model_path}: client_state holds {', '.join(refused)}, outside the checkpoint loader's "
+            "allowlist (plain Python values, tensors, argparse.Namespace and paths are in it). Loading "
+            f"this checkpoint will need trust_checkpoint=True or {ckpt_io.TRUST_ENV}=1, or "
+            "torch.serialization.add_safe_globals([...]) for these types; store plain values to avoid "
+            "that (see 'Loading untrusted checkpoints' in docs/checkpoints.md)"
+        )
 
 
 class CheckpointMixin:
@@ -207,6 +228,8 @@ class CheckpointMixin:
         os.makedirs(ckpt_dir, exist_ok=True)
         model_path = os.path.join(ckpt_dir, ckpt_io.model_states_name(header["rank"]))
         ckpt_io.atomic_torch_save(self._model_states(entries, header, client_state), model_path)
+        if client_state and header["rank"] == 0:
+            _warn_if_load_needs_trust(model_path)
         if self.optimizer is not None:
             optim_path = os.path.join(ckpt_dir, ckpt_io.optim_states_name(header["rank"]))
             ckpt_io.atomic_torch_save(self._optim_states(entries, header), optim_path)
@@ -394,12 +417,16 @@ class CheckpointMixin:
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
         custom_load_fn: Optional[Callable] = None,
+        trust_checkpoint: bool = False,
     ) -> tuple:
         """Load `load_dir/tag` (default: the tag in `load_dir/latest`), saved on any number of ranks.
 
         Returns `(path, client_state)`, or `(None, None)` when there is no such checkpoint.
         Every rank must call it. Errors raise `CheckpointError` on every rank, and leave the
-        engine unchanged.
+        engine unchanged. Files are unpickled through an allowlist: one that names anything
+        else raises `UnsafeCheckpointError` on every rank, unless `trust_checkpoint=True` (or
+        `DEEPSPEED_TRUST_CHECKPOINT=1`) says its source is trusted (see [Note: loading
+        untrusted checkpoints] in checkpoint_io.py).
         """
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by this engine")
@@ -408,7 +435,12 @@ class CheckpointMixin:
             return None, None
         load_optim = self.optimizer is not None and load_optimizer_states and not load_module_only
         ckpt = _on_all_ranks(
-            "load_checkpoint", self._open_checkpoint, ckpt_dir, load_optim, load_module_strict
+            "load_checkpoint",
+            self._open_checkpoint,
+            ckpt_dir,
+            load_optim,
+            load_module_strict,
+            trust_checkpoint,
         )
         load_sched = load_lr_scheduler_states and not load_module_only
         _on_all_ranks(
@@ -436,8 +468,10 @@ class CheckpointMixin:
             return None
         return ckpt_dir
 
-    def _open_checkpoint(self, ckpt_dir: str, load_optim: bool, strict: bool) -> ShardedCheckpoint:
-        ckpt = ShardedCheckpoint.open(ckpt_dir)
+    def _open_checkpoint(
+        self, ckpt_dir: str, load_optim: bool, strict: bool, trust: bool
+    ) -> ShardedCheckpoint:
+        ckpt = ShardedCheckpoint.open(ckpt_dir, trust)
         shapes = {name: tuple(self._shard_state_of(p).shape) for name, p in self.module.named_parameters()}
         ckpt_io.check_against_model(ckpt, shapes, strict)
         self._check_buffers_fit(ckpt, strict)

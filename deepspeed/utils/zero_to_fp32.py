@@ -1,7 +1,7 @@
 """Consolidate a sharded ZeRO-3 checkpoint into one fp32 state dict; needs no process group.
 
     zero_to_fp32 CHECKPOINT_DIR OUTPUT [-t TAG] [--safe_serialization] [--max_shard_size 5GB]
-                 [--exclude_frozen_parameters]
+                 [--exclude_frozen_parameters] [--trust_checkpoint]
 
 CHECKPOINT_DIR is the folder given to `engine.save_checkpoint` (it holds `latest` and a
 folder per tag; a tag folder itself is accepted too). OUTPUT is either a file name ending
@@ -16,6 +16,13 @@ The same logic runs from Python:
 
 Files are memory-mapped and each parameter is put together from its shards once, so the
 peak memory is about the size of the fp32 model.
+
+Checkpoint files are unpickled through an allowlist (tensors, plain Python values, upstream
+DeepSpeed's classes as plain data): a file that names anything else is refused, naming the
+file and the global, and the command exits with status 1 having run nothing from it.
+`--trust_checkpoint` (`trust_checkpoint=True`, or `DEEPSPEED_TRUST_CHECKPOINT=1`) loads such
+a file anyway: only for checkpoints whose source you trust. See [Note: loading untrusted
+checkpoints] in `deepspeed/runtime/zero/checkpoint_io.py`.
 """
 
 from __future__ import annotations
@@ -121,23 +128,30 @@ def _progress(items: list) -> list:
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
-    checkpoint_dir: str, tag: Optional[str] = None, exclude_frozen_parameters: bool = False
+    checkpoint_dir: str,
+    tag: Optional[str] = None,
+    exclude_frozen_parameters: bool = False,
+    trust_checkpoint: bool = False,
 ) -> OrderedDict:
     """`{name: full fp32 tensor}` of the parameters (tied names included) and buffers.
 
     `checkpoint_dir` is the folder with `latest`; `tag` picks another tag folder. The keys
     are `module.state_dict()` names of the model the engine wrapped (no `module.` prefix).
-    Raises `CheckpointError` naming the file for a missing, truncated or mismatched file.
+    Raises `CheckpointError` naming the file for a missing, truncated or mismatched file,
+    and `UnsafeCheckpointError` for a file naming globals outside the allowlist unless
+    `trust_checkpoint=True` (see the module docstring).
     """
-    ckpt = ShardedCheckpoint.open(_tag_dir(checkpoint_dir, tag))
+    ckpt = ShardedCheckpoint.open(_tag_dir(checkpoint_dir, tag), trust_checkpoint)
     return ckpt.fp32_state_dict(exclude_frozen_parameters, progress=_progress)
 
 
 def load_state_dict_from_zero_checkpoint(
-    model: torch.nn.Module, checkpoint_dir: str, tag: Optional[str] = None
+    model: torch.nn.Module, checkpoint_dir: str, tag: Optional[str] = None, trust_checkpoint: bool = False
 ):
     """Move `model` to the CPU and load the consolidated fp32 weights into it (non-strict)."""
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(
+        checkpoint_dir, tag, trust_checkpoint=trust_checkpoint
+    )
     model = model.cpu()
     model.load_state_dict(state_dict, strict=False)
     return model
@@ -227,15 +241,19 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     safe_serialization: bool = False,
     tag: Optional[str] = None,
     exclude_frozen_parameters: bool = False,
+    trust_checkpoint: bool = False,
 ) -> list:
     """Write the consolidated fp32 state dict; returns the paths written.
 
     `output_dir` may also be a file name ending in `.bin`, `.pt`, `.pth` or `.safetensors`
     (then it is one file, in safetensors format if the name or `safe_serialization` says
     so). A folder gets `pytorch_model.bin` / `model.safetensors`, sharded past `max_shard_size`.
+    `trust_checkpoint`: see `get_fp32_state_dict_from_zero_checkpoint`.
     """
     limit = parse_size(max_shard_size)
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(
+        checkpoint_dir, tag, exclude_frozen_parameters, trust_checkpoint=trust_checkpoint
+    )
     if str(output_dir).endswith(_FILE_SUFFIXES) and not os.path.isdir(output_dir):
         safe = safe_serialization or str(output_dir).endswith(".safetensors")
         parent = os.path.dirname(os.path.abspath(output_dir))
@@ -266,6 +284,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out"
     )
+    parser.add_argument(
+        "--trust_checkpoint",
+        action="store_true",
+        help="load files that name Python objects outside the safe allowlist (their unpickling can run "
+        "code): only for checkpoints whose source you trust",
+    )
     return parser
 
 
@@ -279,6 +303,7 @@ def main(argv: Optional[list] = None) -> int:
             safe_serialization=args.safe_serialization,
             tag=args.tag,
             exclude_frozen_parameters=args.exclude_frozen_parameters,
+            trust_checkpoint=args.trust_checkpoint,
         )
     except (CheckpointError, FileNotFoundError, ValueError, ImportError) as err:
         print(f"zero_to_fp32: error: {err}", file=sys.stderr)

@@ -91,7 +91,8 @@ def plain_next_step(name: str, ref: dict, fx) -> dict:
     """The extra step in plain PyTorch from upstream's files: AdamW with the saved moments, step
     count, hyperparameters and learning rate, read straight from rank files by `param_shapes`
     order (the flat layout; see checkpoint_upstream.py), on the consolidated weights."""
-    from deepspeed.runtime.zero.checkpoint_upstream import load_checkpoint_file, upstream_optim_path
+    from deepspeed.runtime.zero.checkpoint_io import load_checkpoint_file
+    from deepspeed.runtime.zero.checkpoint_upstream import upstream_optim_path
 
     tag_dir = os.path.join(FIXTURES, name, fx.TAG)
     ranks = int(name[-1])
@@ -184,7 +185,7 @@ def test_zero_to_fp32_reads_upstream_folders(name, tmp_path):
 
 
 def test_upstream_pickled_classes_load_as_plain_data():
-    from deepspeed.runtime.zero.checkpoint_upstream import load_checkpoint_file
+    from deepspeed.runtime.zero.checkpoint_io import load_checkpoint_file
 
     tag_dir = os.path.join(FIXTURES, "bf16_ws2", "global_step3")
     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(
@@ -195,6 +196,39 @@ def test_upstream_pickled_classes_load_as_plain_data():
     zero_sd = sd["optimizer_state_dict"]
     assert type(zero_sd["zero_stage"]) is int and zero_sd["zero_stage"] == 3
     assert zero_sd["loss_scaler"] == {"cur_scale": 1.0, "dynamic": False}
+
+
+class _Planted:
+    """Pickles as a call of `os.system("touch <marker>")`, as a malicious file's entry would."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+def test_a_planted_upstream_file_is_refused_by_the_same_allowlist(tmp_path):
+    """Upstream's LossScaler / ZeroStageEnum pass as plain data; anything else is refused, unrun."""
+    import shutil
+
+    from deepspeed.runtime.zero.checkpoint_io import UnsafeCheckpointError
+    from deepspeed.utils import zero_to_fp32
+
+    folder = tmp_path / "bf16_ws2"
+    shutil.copytree(os.path.join(FIXTURES, "bf16_ws2"), folder)
+    marker = tmp_path / "MARKER"
+    path = folder / "global_step3" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    sd = torch.load(path, weights_only=True)
+    sd["planted"] = _Planted(str(marker))  # beside the client state, where a hub file would put it
+    torch.save(sd, path)
+    with pytest.raises(UnsafeCheckpointError) as info:
+        zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(folder))
+    message = str(info.value)
+    assert str(path) in message and f"{os.system.__module__}.system" in message, message
+    assert "LossScaler" not in message  # upstream's own classes are allowlisted as stand-ins
+    assert zero_to_fp32.main([str(folder), str(tmp_path / "out.bin")]) == 1
+    assert not marker.exists() and not (tmp_path / "out.bin").exists()
 
 
 def test_a_stage_2_or_foreign_file_is_refused_by_name(tmp_path):

@@ -321,7 +321,7 @@ class TestCrashSafety(DistributedTest):
         engine.save_checkpoint(root)
         if dist.get_rank() == 1:
 
-            def unreadable(directory):
+            def unreadable(directory, *args, **kwargs):
                 raise CheckpointError(f"{directory}: unreadable on this node (simulated)")
 
             monkeypatch.setattr(checkpoint_io.ShardedCheckpoint, "open", unreadable)

@@ -51,13 +51,47 @@ shard math of param_state.py). Loaded on M ranks, rank r needs the flat elements
 `[r * ps_M, (r + 1) * ps_M)` clipped to `numel`, then zero padding up to `ps_M`.
 `flat_slice` reads only the parts of the saved shards that overlap that range, and files
 are memory-mapped, so loading never materializes a full parameter or another rank's data.
+
+[Note: loading untrusted checkpoints]
+A checkpoint file is a pickle, and unpickling calls whatever the pickle names: a planted
+`*_states.pt` that names `os.system` runs a command the moment a plain `torch.load` opens it.
+Every checkpoint file this package reads therefore goes through one function,
+`load_checkpoint_file`: `torch.load(weights_only=True)`, whose restricted unpickler builds
+only allowlisted globals, with this allowlist:
+  - torch's own weights_only set: tensors and storages, dict / OrderedDict / list / tuple /
+    set, numbers, strings, bytes, `torch.dtype`, `torch.Size`, `torch.device`. Our own files
+    hold nothing else (the loss scaler, the stage, parameter metadata are plain dicts);
+  - upstream DeepSpeed's pickled classes, under their names but as the plain-data stand-ins
+    of `checkpoint_upstream.UPSTREAM_GLOBALS` (see [Note: upstream's pickled classes]);
+  - `CLIENT_STATE_GLOBALS`: `argparse.Namespace` and POSIX paths, value types client state
+    often holds (training arguments, hyperparameters) whose rebuilding runs no code of the file;
+  - whatever the user allowlisted with `torch.serialization.add_safe_globals`.
+The file's pickle is first scanned without running it (`torch.serialization.
+get_unsafe_globals_in_checkpoint`), so a refusal (`UnsafeCheckpointError`) names the file and
+every refused global at once; the restricted unpickler stays the guard either way.
+Client state (`save_checkpoint(client_state=...)`) sits at the top level of the model-states
+file, as upstream puts it (Lightning's converter reads it there). A save whose client state
+holds a type outside the allowlist still succeeds but warns, naming the types: loading it
+needs an explicit opt-in, `trust_checkpoint=True` (`load_checkpoint`, the zero_to_fp32 API),
+`--trust_checkpoint` (zero_to_fp32 command line) or `DEEPSPEED_TRUST_CHECKPOINT=1` (for
+clients such as Lightning that call `load_checkpoint` themselves). Opted in, the globals the
+scan found are imported and allowlisted for that one load: the file is trusted, so the
+classes and functions it names run (a `subprocess.call` too). It still goes through torch's
+restricted unpickler, which reads only the pickle instructions `torch.save` writes and refuses
+the modules torch blocks outright (`os`, `posix`, `nt`, `sys`) even then. Upstream's class
+paths still map to the stand-ins.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
+import argparse
 import contextlib
 import dataclasses
+import importlib
 import os
+import pathlib
+import pickle
 import re
 import uuid
 from collections import OrderedDict
@@ -67,10 +101,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from deepspeed.runtime.zero.checkpoint_upstream import (
+    UPSTREAM_GLOBALS,
     UpstreamFormatError,
     is_upstream_model_states,
-    load_checkpoint_file,
     normalize_upstream,
+    to_plain,
     upstream_optim_path,
 )
 from deepspeed.runtime.zero.param_state import shard_sizes
@@ -80,6 +115,9 @@ FORMAT_VERSION = 2
 OWN_KEY = "zero3_checkpoint"  # this package's metadata inside a file laid out as upstream's
 LATEST_FILE = "latest"
 RECOVERY_SCRIPT = "zero_to_fp32.py"
+TRUST_ENV = "DEEPSPEED_TRUST_CHECKPOINT"  # "1": load checkpoints that name non-allowlisted globals
+# Plain value types client state often holds; rebuilding them runs no code of the file.
+CLIENT_STATE_GLOBALS = (argparse.Namespace, pathlib.PurePosixPath, pathlib.PosixPath)
 
 _RANK_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_(model|optim)_states\.pt$")
 
@@ -113,6 +151,14 @@ def new_save_id() -> str:
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved or loaded; the message names the file and the problem."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file names globals outside the loader's allowlist; nothing of it was run.
+
+    See [Note: loading untrusted checkpoints]. The message names the file, the globals and
+    how to opt in.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +269,11 @@ def check_tag(tag: Any) -> str:
 
 
 def read_latest(load_dir: str) -> Optional[str]:
-    """The tag `load_dir/latest` names, or None when there is no such file."""
+    """The tag `load_dir/latest` names, or None when there is no such file.
+
+    The tag must be a plain folder name inside `load_dir`: a `latest` that points elsewhere
+    (`../x`, an absolute path) is refused, so it cannot redirect a load to other files.
+    """
     path = os.path.join(load_dir, LATEST_FILE)
     if not os.path.isfile(path):
         return None
@@ -231,21 +281,133 @@ def read_latest(load_dir: str) -> Optional[str]:
         tag = f.read().strip()
     if not tag:
         raise CheckpointError(f"{path}: the 'latest' file is empty; pass tag= to choose a checkpoint")
-    return tag
+    try:
+        return check_tag(tag)
+    except ValueError:
+        raise CheckpointError(
+            f"{path}: names {tag[:200]!r}, not a tag folder inside {load_dir}; 'latest' may not point "
+            "elsewhere; pass tag= to choose a checkpoint"
+        ) from None
 
 
-def load_file(path: str, what: str) -> Any:
-    """Load a checkpoint file memory-mapped on the CPU, or raise `CheckpointError` naming it.
+# ---------------------------------------------------------------------------- the one loader
 
-    Upstream DeepSpeed's pickled classes come back as plain data, and other globals are
-    refused unless the client state needs them (see [Note: upstream's pickled classes] in
-    checkpoint_upstream.py): load only checkpoints you trust.
+
+def trust_from_env() -> bool:
+    """`DEEPSPEED_TRUST_CHECKPOINT` set to 1 / true / yes / on."""
+    return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _allowlist() -> list:
+    """What `load_checkpoint_file` adds to torch's weights_only set (see the note)."""
+    standins = [(standin, name) for name, standin in UPSTREAM_GLOBALS.items()]
+    return standins + list(CLIENT_STATE_GLOBALS)
+
+
+def refused_globals(path: str) -> list:
+    """The globals `path`'s pickle names that the loader refuses, found without running it.
+
+    Raises `pickle.UnpicklingError` for a pickle instruction the restricted unpickler does
+    not read (torch.save never writes one), `ValueError` / `EOFError` / `RuntimeError` for a
+    file that is not a complete `torch.save` archive.
     """
+    with torch.serialization.safe_globals(_allowlist()):
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+
+
+def _refusal(path: str, refused: list) -> UnsafeCheckpointError:
+    names = ", ".join(refused[:8]) + (f" and {len(refused) - 8} more" if len(refused) > 8 else "")
+    return UnsafeCheckpointError(
+        f"{path}: refused to load: it names {names}, outside the checkpoint loader's allowlist "
+        "(unpickling such a name can run code; nothing from this file was run). If you trust where "
+        "this checkpoint came from, opt in with load_checkpoint(..., trust_checkpoint=True), "
+        f"zero_to_fp32 --trust_checkpoint (trust_checkpoint=True in Python) or {TRUST_ENV}=1, or "
+        "allowlist just these types with torch.serialization.add_safe_globals([...]); see "
+        "'Loading untrusted checkpoints' in docs/checkpoints.md"
+    )
+
+
+def _resolve_global(qualified: str) -> tuple:
+    """`(object, qualified)` for a global a trusted file names: its module is imported.
+
+    Pickle protocol 2 (torch.save's) writes Python 2 names for some objects (`subprocess` as
+    `commands`); they are mapped back the way `pickle` itself does on load.
+    """
+    parts = qualified.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
+        module, attrs = ".".join(parts[:cut]), parts[cut:]
+        if len(attrs) == 1 and (module, attrs[0]) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, attrs[0])]
+            attrs = name.split(".")
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        try:
+            obj: Any = importlib.import_module(module)
+        except ImportError:
+            continue
+        try:
+            for attr in attrs:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            break
+        return obj, qualified
+    raise ImportError(f"cannot import {qualified}, which the (trusted) checkpoint names")
+
+
+def _torch_reason(err: BaseException) -> str:
+    """The restricted unpickler's own reason, without torch's advice to drop weights_only."""
+    text = str(err)
+    for marker in ("WeightsUnpickler error:", "from a trusted source."):
+        if marker in text:
+            text = text.split(marker, 1)[1]
+    return " ".join(text.split())[:400]
+
+
+def load_checkpoint_file(path: str, trust: bool = False) -> Any:
+    """Unpickle one checkpoint file through the allowlist, memory-mapped on the CPU.
+
+    The only way this package reads checkpoint data (see [Note: loading untrusted
+    checkpoints]). Raises `UnsafeCheckpointError` naming the file and the refused globals
+    unless `trust` or `DEEPSPEED_TRUST_CHECKPOINT=1`; upstream's pickled classes come back as
+    plain data either way.
+    """
+    trusted = trust or trust_from_env()
+    allow = _allowlist()
+    try:
+        refused = refused_globals(path)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(
+            f"{path}: refused to load: its pickle holds an instruction the restricted unpickler does not "
+            f"read ({_torch_reason(err)}); torch.save does not write it, so the file was not written by "
+            "DeepSpeed or was altered; nothing from it was run"
+        ) from None
+    except (ValueError, EOFError, RuntimeError, OSError):
+        refused = []  # not a complete torch.save archive: torch.load below says what is wrong
+    if refused and not trusted:
+        raise _refusal(path, refused)
+    allow += [_resolve_global(name) for name in refused]
+    try:
+        with torch.serialization.safe_globals(allow):
+            obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as err:
+        # Also when trusted: torch blocks the modules os, posix, nt and sys outright.
+        raise UnsafeCheckpointError(
+            f"{path}: refused to load: torch's restricted unpickler stopped at {_torch_reason(err)!r}; "
+            "nothing the file names past that point was run"
+        ) from None
+    return to_plain(obj)
+
+
+def load_file(path: str, what: str, trust: bool = False) -> Any:
+    """`load_checkpoint_file`, or raise `CheckpointError` naming the file and `what` it is."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing ({what}); the checkpoint is incomplete")
     try:
-        return load_checkpoint_file(path)
-    except Exception as err:  # torch raises RuntimeError, EOFError, pickle errors, ...
+        return load_checkpoint_file(path, trust)
+    except CheckpointError:
+        raise
+    except ImportError as err:
+        raise CheckpointError(f"{path}: cannot read the {what}: {err}") from err
+    except Exception as err:  # torch raises RuntimeError, EOFError, ...
         raise CheckpointError(
             f"{path}: cannot read the {what}: the file is truncated or corrupt ({type(err).__name__}: {err})"
         ) from err
@@ -364,13 +526,18 @@ class ShardedCheckpoint:
         self._optim_paths = optim_paths
 
     @classmethod
-    def open(cls, directory: str) -> ShardedCheckpoint:
+    def open(cls, directory: str, trust: bool = False) -> ShardedCheckpoint:
+        """Read every file of the tag folder `directory` (see [Note: loading untrusted checkpoints]).
+
+        `trust=True` loads files that name globals outside the allowlist: only for
+        checkpoints whose source you trust.
+        """
         if not os.path.isdir(directory):
             raise CheckpointError(f"{directory}: no such checkpoint directory")
         first_path = os.path.join(directory, model_states_name(0))
-        raw = load_file(first_path, "model states of rank 0")
+        raw = load_file(first_path, "model states of rank 0", trust)
         if is_upstream_model_states(raw):
-            return cls._open_upstream(directory, raw)
+            return cls._open_upstream(directory, raw, trust)
         first = own_layout(raw, first_path, "model")
         world = first.get("world_size")
         if not isinstance(world, int) or world < 1:
@@ -378,14 +545,16 @@ class ShardedCheckpoint:
         model_states = [first]
         for r in range(1, world):
             path = os.path.join(directory, model_states_name(r))
-            model_states.append(own_layout(load_file(path, f"model states of rank {r}"), path, "model"))
+            model_states.append(
+                own_layout(load_file(path, f"model states of rank {r}", trust), path, "model")
+            )
         optim_states = None
         if first.get("has_optimizer"):
             optim_states = []
             for r in range(world):
                 path = os.path.join(directory, optim_states_name(r))
                 optim_states.append(
-                    own_layout(load_file(path, f"optimizer states of rank {r}"), path, "optim")
+                    own_layout(load_file(path, f"optimizer states of rank {r}", trust), path, "optim")
                 )
         ckpt = cls(directory, model_states, optim_states)
         ckpt._check_headers()
@@ -393,7 +562,7 @@ class ShardedCheckpoint:
         return ckpt
 
     @classmethod
-    def _open_upstream(cls, directory: str, first: dict) -> ShardedCheckpoint:
+    def _open_upstream(cls, directory: str, first: dict, trust: bool) -> ShardedCheckpoint:
         """A tag folder written by upstream DeepSpeed at stage 3 (see checkpoint_upstream.py)."""
         first_path = os.path.join(directory, model_states_name(0))
         world = first.get("dp_world_size")
@@ -409,14 +578,14 @@ class ShardedCheckpoint:
         model_sds = [first]
         for r in range(1, world):
             path = os.path.join(directory, model_states_name(r))
-            model_sds.append(load_file(path, f"model states of rank {r}"))
+            model_sds.append(load_file(path, f"model states of rank {r}", trust))
         optim_paths = [upstream_optim_path(directory, r) for r in range(world)]
         optim_sds = None
         if any(optim_paths):
             optim_sds = []
             for r, path in enumerate(optim_paths):
                 path = path or os.path.join(directory, optim_states_name(r))
-                optim_sds.append(load_file(path, f"optimizer states of rank {r}"))
+                optim_sds.append(load_file(path, f"optimizer states of rank {r}", trust))
                 optim_paths[r] = path
         paths = [(os.path.join(directory, model_states_name(r)), optim_paths[r]) for r in range(world)]
         try:

@@ -11,11 +11,12 @@ Upstream pickles a few of its own objects into the files: the ZeRO stage as an `
 (`deepspeed.runtime.fp16.loss_scaler.LossScaler` / `DynamicLossScaler`). Some of those paths
 exist in this package too, with other meanings, so a plain unpickle would build the wrong
 object. `UPSTREAM_GLOBALS` maps each such path to a small stand-in here that turns into plain
-data (an int; a dict of the scaler's attributes). `load_checkpoint_file` first loads with
-`torch.load(weights_only=True)` and only these stand-ins allowlisted, so no other global runs.
-A file whose client state holds other objects (Lightning's hyperparameters, say) needs a full
-unpickle: that fallback maps the same paths through `CompatUnpickler.find_class`, and, as
-for any pickle, should only be used on checkpoints you trust.
+data (an int; a dict of the scaler's attributes). The one loader of checkpoint files,
+`checkpoint_io.load_checkpoint_file`, allowlists these stand-ins (under upstream's names) for
+`torch.load(weights_only=True)`: an upstream file goes through the same allowlist as ours,
+its classes are never imported, and even an opted-in trusted load maps them here, never to
+the classes of the same name in this package (see [Note: loading untrusted checkpoints] in
+checkpoint_io.py).
 
 [Note: upstream's stage-3 layout]
 Saved on N ranks, rank r's `*_optim_states.pt` holds `optimizer_state_dict` with
@@ -34,10 +35,7 @@ model file that upstream did not write itself is the client state.
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
-import types
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -116,40 +114,6 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(to_plain(v) for v in value)
     return value
-
-
-class CompatUnpickler(pickle.Unpickler):
-    """A full unpickler that resolves upstream's class paths to the stand-ins (see the note)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        standin = UPSTREAM_GLOBALS.get(f"{module}.{name}")
-        if standin is not None:
-            return standin
-        return super().find_class(module, name)
-
-
-def _compat_pickle_module() -> types.ModuleType:
-    mod = types.ModuleType("deepspeed_compat_pickle")
-    mod.Unpickler = CompatUnpickler
-    mod.load = lambda f, **kw: CompatUnpickler(f, **kw).load()
-    mod.loads = lambda data, **kw: CompatUnpickler(io.BytesIO(data), **kw).load()
-    mod.__name__ = "deepspeed_compat_pickle"
-    return mod
-
-
-COMPAT_PICKLE = _compat_pickle_module()
-
-
-def load_checkpoint_file(path: str) -> Any:
-    """`torch.load` memory-mapped on the CPU, upstream's classes as plain data (see the note)."""
-    allow = [(standin, qualified) for qualified, standin in UPSTREAM_GLOBALS.items()]
-    try:
-        with torch.serialization.safe_globals(allow):
-            obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError:
-        # A global outside the allowlist (an object in the client state): a full unpickle.
-        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=False, pickle_module=COMPAT_PICKLE)
-    return to_plain(obj)
 
 
 # ============================================================================ detection
