@@ -11,12 +11,14 @@ as stage 1: the same results as plain data parallelism, with the optimizer state
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from deepspeed import comm as dist
+from deepspeed.runtime.agreement import check_agreement, describe_parameters
 from deepspeed.runtime.checkpointing import CheckpointMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.forward_prologue import forward_prologue
@@ -61,6 +63,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"deepspeed.initialize: model must be an nn.Module, got {type(model).__name__}")
         self._config = config if isinstance(config, DeepSpeedConfig) else DeepSpeedConfig(config, mpu=mpu)
+        self._check_ranks_agree(model)
         self.args = args
         self.module = model
         self.dtype = _train_dtype(self._config)
@@ -96,6 +99,19 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._grad_hooks = self._install_grad_hooks() if self.optimizer is not None else []
 
     # ------------------------------------------------------------------ set-up
+
+    def _check_ranks_agree(self, model: nn.Module) -> None:
+        """One collective: every rank passed the same config and the same parameters, in order.
+
+        Everything the engine does next sizes collectives from them (runtime/agreement.py).
+        """
+        config = json.dumps(self._config._param_dict, sort_keys=True, default=lambda o: type(o).__name__)
+        shape_of = lambda p: p.ds_shape if is_zero_param(p) else p.shape  # noqa: E731
+        check_agreement(
+            "deepspeed.initialize: the config and the model's parameters",
+            [f"config {config}"] + describe_parameters(list(model.named_parameters()), shape_of),
+            fix="Every rank must pass the same config and build the same model, parameters in the same order.",
+        )
 
     def _prepare_module(self) -> None:
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator  # noqa: F401 - an upstream name clients read here
+from deepspeed.runtime.agreement import check_agreement, describe_parameters
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.lifecycle import LifecycleTracker, live_contexts
 from deepspeed.runtime.zero.param_state import (
@@ -258,16 +259,30 @@ def _convert_module_with(module: nn.Module, settings: _InitSettings) -> None:
     # values to broadcast or shard: it stays as it is until materialised (`to_empty`), and
     # the engine partitions it at `deepspeed.initialize` like any plain parameter.
     own = [
-        p
-        for p in module._parameters.values()
+        (name, p)
+        for name, p in module._parameters.items()
         if p is not None and not is_zero_param(p) and p.device.type != "meta"
     ]
     if own:
-        convert_params(own, settings)
+        convert_params([p for _, p in own], settings, own, type(module).__name__)
 
 
-def convert_params(params: list, settings: _InitSettings) -> None:
-    """Cast, place, broadcast from group rank 0, and partition `params` (plain Parameters)."""
+def convert_params(
+    params: list, settings: _InitSettings, named: Optional[list] = None, owner: str = ""
+) -> None:
+    """Cast, place, broadcast from group rank 0, and partition `params` (plain Parameters).
+
+    The ranks first check that they hold the same parameters (names, shapes, dtypes): the
+    broadcast's sizes come from the model code, and a rank-dependent width would otherwise
+    abort one rank and hand the others garbage (see runtime/agreement.py's note).
+    """
+    if settings.world_size > 1:
+        check_agreement(
+            f"zero.Init: the parameters of a {owner or 'module'}",
+            describe_parameters(named or [(str(i), p) for i, p in enumerate(params)]),
+            settings.group,
+            "Every rank must build the same model; check sizes read from per-rank files or environment.",
+        )
     for p in params:
         data = p.data.to(settings.device)
         if data.is_floating_point() and data.dtype != settings.dtype:
@@ -548,6 +563,14 @@ class GatheredParameters:
         if not self._states:
             return self  # disabled, or no ZeRO parameter: nothing to gather
         try:
+            if any(s.sanity_checks for s in self._states):
+                # The all-gather's sizes come from the caller's list: ranks must pass the same one.
+                check_agreement(
+                    "GatheredParameters.start(): the parameters to gather",
+                    [str(s.ds_id) for s in self._states],
+                    self._states[0].group,
+                    "Every rank must gather the same parameters, in any order.",
+                )
             self._handle = gather.fetch_states(self._states, self, async_op=async_op)
         except BaseException:
             self._tracker.end()
