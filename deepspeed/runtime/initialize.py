@@ -45,7 +45,11 @@ def initialize(
     An active `zero.Init` is paused while the engine is built, so the engine's own modules
     are not partitioned.
     """
-    del mesh_param  # accepted for signature compatibility
+    if mesh_param is not None:
+        raise ValueError(
+            f"deepspeed.initialize(mesh_param={mesh_param!r}): device meshes (sequence / tensor parallel "
+            "groups) are not supported; omit mesh_param"
+        )
     if model is None:
         raise ValueError("deepspeed.initialize: model is required")
     chosen = _pick_config(args, config, config_params)
