@@ -25,30 +25,13 @@ from deepspeed import comm as dist
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.zero import checkpoint_io as ckpt_io
 from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ParamMeta, ShardedCheckpoint
+from deepspeed.runtime.zero.checkpoint_upstream import UPSTREAM_ENGINE_KEYS
 from deepspeed.utils.logging import log_dist, logger
 from deepspeed.version import __version__
 
-# Top-level keys of a model-states file that the engine itself writes; client state may not use them.
-_MODEL_FILE_KEYS = frozenset(
-    {
-        "module",
-        "buffer_names",
-        "optimizer",
-        "param_shapes",
-        "frozen_param_shapes",
-        "frozen_param_fragments",
-        "shared_params",
-        "lr_scheduler",
-        "skipped_steps",
-        "global_steps",
-        "global_samples",
-        "dp_world_size",
-        "mp_world_size",
-        "ds_config",
-        "ds_version",
-        ckpt_io.OWN_KEY,
-    }
-)
+# Top-level keys of a model-states file that an engine writes (upstream's, and our own
+# metadata's); client state may not use them, or upstream's tools would misread the file.
+_MODEL_FILE_KEYS = UPSTREAM_ENGINE_KEYS | {ckpt_io.OWN_KEY}
 
 
 def _rank() -> int:
