@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as _dist
 
+from deepspeed.comm import env_discovery
 from deepspeed.utils.logging import logger
 
 ReduceOp = _dist.ReduceOp
@@ -109,13 +110,20 @@ def init_distributed(
     neither is treated as a single-process job (rank 0 of 1) so plain scripts run unchanged.
     `MASTER_ADDR` / `MASTER_PORT` default to 127.0.0.1 and `distributed_port`. `timeout`
     defaults to `DEEPSPEED_TIMEOUT` minutes (30), after which a missing peer is an error.
-    `auto_mpi_discovery` is accepted for compatibility; MPI launchers are not probed.
+    With `auto_mpi_discovery` (the default) and no RANK / WORLD_SIZE, a process started by
+    mpirun or srun takes them from the MPI / Slurm variables (`env_discovery.py`).
     """
-    del auto_mpi_discovery, config  # accepted for signature compatibility
+    del config  # accepted for signature compatibility
     if dist_init_required is False:
         return
     if _dist.is_initialized():
         return  # the caller (or a launcher) already set torch.distributed up: wrap it as it is
+    if auto_mpi_discovery and rank < 0 and world_size < 0 and not {"RANK", "WORLD_SIZE"} & set(os.environ):
+        found = env_discovery.apply()
+        if found is not None and verbose:
+            logger.info(
+                f"init_distributed: rank {found.rank} of {found.world_size} from {found.source} variables"
+            )
     rank_value = _env_int("RANK", rank)
     world_value = _env_int("WORLD_SIZE", world_size)
     if rank_value is None and world_value is None:

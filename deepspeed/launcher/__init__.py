@@ -1,7 +1,9 @@
-"""The `deepspeed` launcher: `runner` parses the command line, `launch` starts and supervises ranks.
+"""The `deepspeed` launcher: `runner` parses the command line and picks the mode, `hostfile`
+selects hosts and devices, `multinode_runner` builds the pdsh / ssh / MPI / Slurm command
+lines, and `launch` starts and supervises one node's ranks (docs/launcher.md).
 
-Single node only. The launcher runs each rank as a plain subprocess and stays out of the
-comm layer; the ranks set up their process group themselves (`deepspeed.comm`).
+The launcher runs each rank as a plain subprocess and stays out of the comm layer; the ranks
+set up their process group themselves (`deepspeed.comm`).
 """
 
 import importlib

@@ -1,8 +1,11 @@
-"""Start the local ranks of a job and supervise them until they all finish.
+"""Start one node's ranks and supervise them until they all finish.
 
 `deepspeed.launcher.runner` resolves the command line into a `LaunchSpec` and calls
-`launch_local`. `python -m deepspeed.launcher.launch --world_info=...` keeps the upstream
-per-node entry point for scripts that call it directly (one node only).
+`launch_local` for a single-node job. For a multi-node job the runner starts
+`python -m deepspeed.launcher.launch --world_info=... --node_rank=N ...` on every node (through
+pdsh, ssh, or by hand with `--no_ssh`); that entry point turns the world description into this
+node's `LaunchSpec`: global ranks `offset .. offset + slots - 1`, where `offset` counts the slots
+of the nodes before it.
 
 [Note: why each rank gets its own session]
 Every rank starts in a new session (its own process group), so the supervisor can signal a
@@ -13,25 +16,34 @@ and then kills what is left.
 
 [Note: why one failure ends the job]
 A rank that exits non-zero leaves its peers blocked in a collective it will never join.
-The supervisor polls every rank; on the first failure it terminates the others (SIGTERM,
-then SIGKILL after the grace period) and exits with the failed rank's code, so a crash is
-a prompt non-zero exit instead of a hang.
+The supervisor polls every child; on the first failure it terminates the others (SIGTERM,
+then SIGKILL after the grace period) and exits with the failed child's code, so a crash is
+a prompt non-zero exit instead of a hang. The same supervisor runs the per-host `ssh` clients
+of `--launcher ssh`, so one node's failure ends the others: see [Note: stdin as a lifeline].
+
+[Note: stdin as a lifeline]
+When the `deepspeed` runner ends an `ssh` client, the remote sshd closes the session, and the
+remote launcher's stdin reaches end-of-file. With `--stop_on_stdin_eof` (which the ssh runner
+passes) the per-node launcher treats that EOF like SIGHUP: it ends its ranks and exits. No
+extra port, no shared file system, and a dead runner cannot leave ranks behind. Ranks get
+/dev/null as stdin in that mode so that none of them consumes the lifeline.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
+from deepspeed.launcher.hostfile import decode_world_info
 from deepspeed.utils.logging import logger
 
 POLL_INTERVAL_S = 0.05
@@ -41,11 +53,11 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @dataclass
 class LaunchSpec:
-    """Everything needed to start the ranks of a single-node job."""
+    """Everything needed to start the ranks of one node of a job."""
 
     user_script: str
     user_args: list[str] = field(default_factory=list)
-    num_procs: int = 1
+    num_procs: int = 1  # ranks on this node
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     module: bool = False  # run `user_script` as `python -m user_script`
@@ -56,6 +68,23 @@ class LaunchSpec:
     visible_devices: Optional[dict[str, str]] = None  # e.g. {"CUDA_VISIBLE_DEVICES": "0,2"}
     save_pid: bool = False  # write the rank pids to <tmp>/<launcher pid>.ds
     grace_s: float = DEFAULT_GRACE_S
+    node_rank: int = 0  # this node's index in the job (CROSS_RANK)
+    num_nodes: int = 1  # nodes in the job (CROSS_SIZE)
+    rank_offset: int = 0  # global rank of this node's local rank 0
+    world_size: Optional[int] = None  # ranks in the job; None: this node's num_procs
+    stop_on_stdin_eof: bool = False  # see [Note: stdin as a lifeline]
+
+
+@dataclass
+class ChildSpec:
+    """One supervised child process: a rank, or a runner's per-node client (`ssh`, `pdsh`)."""
+
+    name: str  # for messages: "rank 3", "node worker-1"
+    cmd: list[str]
+    env: Optional[dict[str, str]] = None  # None: inherit the launcher's environment
+    log_path: Optional[str] = None  # stdout and stderr go here instead of being inherited
+    cores: Optional[list[int]] = None  # CPU affinity
+    stdin: Optional[int] = None  # subprocess.PIPE / DEVNULL, or None to inherit
 
 
 def parse_core_list(text: str) -> list[int]:
@@ -102,16 +131,16 @@ def rank_command(spec: LaunchSpec, local_rank: int) -> list[str]:
 
 def rank_env(spec: LaunchSpec, local_rank: int, base_env: Optional[dict] = None) -> dict[str, str]:
     env = dict(os.environ if base_env is None else base_env)
-    size = str(spec.num_procs)
+    local_size = str(spec.num_procs)
     env.update(
-        RANK=str(local_rank),  # one node: the global rank is the local rank
+        RANK=str(spec.rank_offset + local_rank),
         LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=size,
-        LOCAL_WORLD_SIZE=size,
-        LOCAL_SIZE=size,
-        CROSS_RANK="0",
-        CROSS_SIZE="1",
-        GROUP_RANK="0",
+        WORLD_SIZE=str(spec.world_size or spec.num_procs),
+        LOCAL_WORLD_SIZE=local_size,
+        LOCAL_SIZE=local_size,
+        CROSS_RANK=str(spec.node_rank),
+        CROSS_SIZE=str(spec.num_nodes),
+        GROUP_RANK=str(spec.node_rank),
         MASTER_ADDR=spec.master_addr,
         MASTER_PORT=str(spec.master_port),
     )
@@ -140,60 +169,56 @@ def visible_devices_env(device_ids: list[int]) -> dict[str, str]:
 
 
 def _exit_code(returncode: int) -> int:
-    """A rank killed by signal N reports -N; a shell would say 128 + N."""
+    """A child killed by signal N reports -N; a shell would say 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
 
 
-class RankSupervisor:
-    """Owns the rank processes: start them, watch them, end them together (see the notes)."""
+class Supervisor:
+    """Owns a set of child processes: start them, watch them, end them together (see the notes)."""
 
     _procs: list[subprocess.Popen]
-    _logs: list  # open log files, one per rank when spec.log_dir is set
-    _signal: Optional[int]  # the first forwarded signal, None while none arrived
+    _logs: list  # open log files, one per child that has a log_path
+    _signal: Optional[int]  # the first forwarded signal (or SIGHUP for a lost lifeline), None while none
 
-    def __init__(self, spec: LaunchSpec) -> None:
-        self.spec = spec
+    def __init__(self, children: list[ChildSpec], grace_s: float = DEFAULT_GRACE_S) -> None:
+        self.children = children
+        self.grace_s = grace_s
         self._procs = []
         self._logs = []
         self._signal = None
-        self._pid_file: Optional[str] = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
 
     def start(self) -> None:
-        if self.spec.log_dir:
-            os.makedirs(self.spec.log_dir, exist_ok=True)
-        for local_rank in range(self.spec.num_procs):
-            self._procs.append(self._start_rank(local_rank))
-        if self.spec.save_pid:
-            self._write_pid_file()
+        for child in self.children:
+            self._procs.append(self._start_child(child))
 
-    def _start_rank(self, local_rank: int) -> subprocess.Popen:
-        cmd = rank_command(self.spec, local_rank)
+    def _start_child(self, child: ChildSpec) -> subprocess.Popen:
         out = None
-        if self.spec.log_dir:
-            out = open(os.path.join(self.spec.log_dir, f"rank{local_rank}.log"), "w")
+        if child.log_path:
+            os.makedirs(os.path.dirname(child.log_path) or ".", exist_ok=True)
+            out = open(child.log_path, "w")
             self._logs.append(out)
-        logger.info(f"launching rank {local_rank}: {' '.join(cmd)}")
+        logger.info(f"launching {child.name}: {' '.join(child.cmd)}")
         try:
             proc = subprocess.Popen(
-                cmd,
-                env=rank_env(self.spec, local_rank),
+                child.cmd,
+                env=child.env,
+                stdin=child.stdin,
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,
                 start_new_session=True,
             )
         except OSError as err:
             self.terminate_all()
-            raise RuntimeError(f"could not start rank {local_rank} with {cmd}: {err}") from err
-        if self.spec.rank_cores is not None:
-            os.sched_setaffinity(proc.pid, self.spec.rank_cores[local_rank])
+            raise RuntimeError(f"could not start {child.name} with {child.cmd}: {err}") from err
+        if child.cores is not None:
+            os.sched_setaffinity(proc.pid, child.cores)
         return proc
 
-    def _write_pid_file(self) -> None:
-        self._pid_file = os.path.join(tempfile.gettempdir(), f"{os.getpid()}.ds")
-        with open(self._pid_file, "w") as f:
-            json.dump({"launcher": os.getpid(), "ranks": [p.pid for p in self._procs]}, f)
-
-    def _on_signal(self, signum: int, _frame) -> None:
+    def on_signal(self, signum: int, _frame=None) -> None:
         if self._signal is None:
             self._signal = signum
         self._signal_groups(signum)
@@ -203,26 +228,26 @@ class RankSupervisor:
             try:
                 os.killpg(proc.pid, signum)
             except (ProcessLookupError, PermissionError):
-                pass  # the rank and everything it started are gone already
+                pass  # the child and everything it started are gone already
 
     def _first_failure(self) -> Optional[int]:
-        for local_rank, proc in enumerate(self._procs):
+        for index, proc in enumerate(self._procs):
             code = proc.poll()
             if code is not None and code != 0:
-                return local_rank
+                return index
         return None
 
     def wait(self) -> int:
-        """Block until every rank succeeded (0), one failed, or a signal arrived."""
+        """Block until every child succeeded (0), one failed, or a signal arrived."""
         while True:
             if self._signal is not None:
-                logger.warning(f"launcher got signal {self._signal}; forwarded it to every rank")
+                logger.warning(f"launcher got signal {self._signal}; forwarded it to every child")
                 self.terminate_all(first_signal=None)
                 return 128 + self._signal
             failed = self._first_failure()
             if failed is not None:
                 code = self._procs[failed].returncode
-                logger.error(f"rank {failed} exited with code {code}; terminating the other ranks")
+                logger.error(f"{self.children[failed].name} exited with code {code}; terminating the others")
                 self.terminate_all()
                 return _exit_code(code)
             if all(proc.returncode is not None for proc in self._procs):
@@ -230,10 +255,10 @@ class RankSupervisor:
             time.sleep(POLL_INTERVAL_S)
 
     def terminate_all(self, first_signal: Optional[int] = signal.SIGTERM) -> None:
-        """Signal every rank's group, wait up to the grace period, then kill the rest."""
+        """Signal every child's group, wait up to the grace period, then kill the rest."""
         if first_signal is not None:
             self._signal_groups(first_signal)
-        deadline = time.monotonic() + self.spec.grace_s
+        deadline = time.monotonic() + self.grace_s
         for proc in self._procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -246,16 +271,38 @@ class RankSupervisor:
     def close(self) -> None:
         for log in self._logs:
             log.close()
-        if self._pid_file and os.path.exists(self._pid_file):
-            os.remove(self._pid_file)
 
 
-def launch_local(spec: LaunchSpec) -> int:
-    """Run the job's ranks on this machine; return the exit code the launcher should use."""
-    supervisor = RankSupervisor(spec)
-    previous = {sig: signal.signal(sig, supervisor._on_signal) for sig in FORWARDED_SIGNALS}
+def _watch_stdin(supervisor: Supervisor) -> None:
+    """[Note: stdin as a lifeline] End the children once stdin reaches end-of-file."""
+
+    def watch() -> None:
+        try:
+            while os.read(sys.stdin.fileno(), 4096):
+                pass
+        except OSError:
+            pass
+        logger.warning("the runner's connection closed (stdin EOF); ending this node's ranks")
+        supervisor.on_signal(signal.SIGHUP)
+
+    threading.Thread(target=watch, name="stdin-lifeline", daemon=True).start()
+
+
+def supervise(
+    children: list[ChildSpec],
+    grace_s: float = DEFAULT_GRACE_S,
+    watch_stdin: bool = False,
+    on_started: Optional[Callable[[Supervisor], None]] = None,
+) -> int:
+    """Run `children` to completion under one supervisor; return the exit code to use."""
+    supervisor = Supervisor(children, grace_s)
+    previous = {sig: signal.signal(sig, supervisor.on_signal) for sig in FORWARDED_SIGNALS}
     try:
         supervisor.start()
+        if on_started is not None:
+            on_started(supervisor)
+        if watch_stdin:
+            _watch_stdin(supervisor)
         return supervisor.wait()
     finally:
         if any(proc.returncode is None for proc in supervisor._procs):
@@ -265,16 +312,54 @@ def launch_local(spec: LaunchSpec) -> int:
         supervisor.close()
 
 
+def rank_children(spec: LaunchSpec) -> list[ChildSpec]:
+    return [
+        ChildSpec(
+            name=f"rank {spec.rank_offset + local_rank}",
+            cmd=rank_command(spec, local_rank),
+            env=rank_env(spec, local_rank),
+            log_path=os.path.join(spec.log_dir, f"rank{spec.rank_offset + local_rank}.log")
+            if spec.log_dir
+            else None,
+            cores=None if spec.rank_cores is None else spec.rank_cores[local_rank],
+            stdin=subprocess.DEVNULL if spec.stop_on_stdin_eof else None,
+        )
+        for local_rank in range(spec.num_procs)
+    ]
+
+
+def launch_local(spec: LaunchSpec) -> int:
+    """Run this node's ranks; return the exit code the launcher should use."""
+    pid_file = os.path.join(tempfile.gettempdir(), f"{os.getpid()}.ds")
+
+    def write_pids(supervisor: Supervisor) -> None:
+        with open(pid_file, "w") as f:
+            json.dump({"launcher": os.getpid(), "ranks": supervisor.pids}, f)
+
+    try:
+        return supervise(
+            rank_children(spec),
+            spec.grace_s,
+            watch_stdin=spec.stop_on_stdin_eof,
+            on_started=write_pids if spec.save_pid else None,
+        )
+    finally:
+        if spec.save_pid and os.path.exists(pid_file):
+            os.remove(pid_file)
+
+
 # ----------------------------------------------------------------------------- per-node entry point
 
 
 def _parse_launch_args(args: Optional[list[str]]) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(
         prog="python -m deepspeed.launcher.launch",
-        description="Start this node's ranks (single node only); usually invoked by `deepspeed`.",
+        description="Start this node's ranks of a (multi-node) job; usually invoked by `deepspeed`.",
     )
-    parser.add_argument("--world_info", default="None", help="base64 JSON {host: [device ids]}, one host")
-    parser.add_argument("--node_rank", type=int, default=0)
+    parser.add_argument(
+        "--world_info", default="None", help="base64 JSON {host: [device slots]}, in node order"
+    )
+    parser.add_argument("--node_rank", type=int, default=0, help="this node's index in --world_info")
     parser.add_argument("--master_addr", default="127.0.0.1")
     parser.add_argument("--master_port", type=int, default=29500)
     parser.add_argument("--module", action="store_true")
@@ -282,35 +367,61 @@ def _parse_launch_args(args: Optional[list[str]]) -> tuple[argparse.Namespace, a
     parser.add_argument("--no_local_rank", action="store_true")
     parser.add_argument("--enable_each_rank_log", default="None")
     parser.add_argument("--save_pid", type=int, default=0)
+    parser.add_argument("--bind_cores_to_rank", action="store_true")
+    parser.add_argument("--bind_core_list", default=None)
+    parser.add_argument(
+        "--stop_on_stdin_eof", action="store_true", help="end the ranks when stdin closes (the ssh runner)"
+    )
     parser.add_argument("training_script")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return parser.parse_args(args), parser
 
 
+def node_layout(world: dict[str, list[int]], node_rank: int) -> tuple[list[int], int, int]:
+    """This node's device slots, the global rank of its first rank, and the job's world size."""
+    hosts = list(world)
+    if not 0 <= node_rank < len(hosts):
+        raise ValueError(f"--node_rank={node_rank} is outside the {len(hosts)} nodes of --world_info {hosts}")
+    offset = sum(len(world[h]) for h in hosts[:node_rank])
+    return list(world[hosts[node_rank]]), offset, sum(len(v) for v in world.values())
+
+
 def main(args: Optional[list[str]] = None) -> int:
     ns, parser = _parse_launch_args(args)
-    num_procs, visible = 1, None
-    if ns.world_info != "None":
-        try:
-            world = json.loads(base64.urlsafe_b64decode(ns.world_info))
-        except ValueError as err:
-            parser.error(f"--world_info is not base64-encoded JSON: {err}")
-        if len(world) != 1 or ns.node_rank != 0:
-            parser.error(f"only local launching is supported; --world_info names hosts {sorted(world)}")
-        device_ids = list(next(iter(world.values())))
-        num_procs, visible = len(device_ids), visible_devices_env(device_ids)
+    slots, offset, world_size, num_nodes = [0], 0, 1, 1
+    try:
+        if ns.world_info != "None":
+            world = decode_world_info(ns.world_info)
+            slots, offset, world_size = node_layout(world, ns.node_rank)
+            num_nodes = len(world)
+        rank_cores = None
+        if ns.bind_cores_to_rank or ns.bind_core_list:
+            cores = (
+                parse_core_list(ns.bind_core_list) if ns.bind_core_list else sorted(os.sched_getaffinity(0))
+            )
+            rank_cores = split_cores(cores, len(slots))
+    except ValueError as err:
+        parser.error(str(err))
+    # Only a node told to use particular devices restricts what its ranks see (this imports torch).
+    visible = visible_devices_env(slots) if slots != list(range(len(slots))) else None
     spec = LaunchSpec(
         user_script=ns.training_script,
         user_args=ns.training_script_args,
-        num_procs=num_procs,
+        num_procs=len(slots),
         master_addr=ns.master_addr,
         master_port=ns.master_port,
         module=ns.module,
         no_python=ns.no_python,
         no_local_rank=ns.no_local_rank,
         log_dir=None if ns.enable_each_rank_log == "None" else ns.enable_each_rank_log,
+        rank_cores=rank_cores,
         save_pid=bool(ns.save_pid),
         visible_devices=visible,
+        node_rank=ns.node_rank,
+        num_nodes=num_nodes,
+        rank_offset=offset,
+        world_size=world_size,
+        stop_on_stdin_eof=ns.stop_on_stdin_eof,
     )
     return launch_local(spec)
 

@@ -1,51 +1,72 @@
-"""The `deepspeed` command: run a training script on this machine's ranks.
+"""The `deepspeed` command: run a training script on this machine's ranks or on a cluster.
 
     deepspeed [--num_gpus N | --num_procs N] [--master_addr A] [--master_port P]
-              [--include localhost:0,2 | --exclude localhost:1] [--module | --no_python]
-              [--no_local_rank] [--enable_each_rank_log DIR] user_script.py [user args...]
+              [--hostfile H] [--include w0:0,2@w1 | --exclude w1:3] [--num_nodes N]
+              [--launcher pdsh|ssh|openmpi|mpich|impi|mvapich|slurm] [--launcher_args '...']
+              [--no_ssh --node_rank N] [--ssh_port P]
+              [--module | --no_python] [--no_local_rank] [--enable_each_rank_log DIR]
+              user_script.py [user args...]
 
-Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
-its environment and `--local_rank=N` before the user's arguments, as with upstream. The
-default number of ranks is the accelerator's `device_count()` (1 on the CPU unless
-LOCAL_SIZE says otherwise).
+Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+CROSS_RANK and CROSS_SIZE in its environment and `--local_rank=N` before the user's arguments,
+as with upstream. Without a hostfile (default `/job/hostfile`) the job runs on this machine
+with the accelerator's `device_count()` ranks (1 on the CPU unless LOCAL_SIZE says otherwise).
+With a hostfile of two or more hosts (or `--force_multi`) the job runs on every selected host
+through the chosen `--launcher` (`multinode_runner.py`); `--no_ssh` starts only this node's
+share, the command being run on every node by the user with its `--node_rank`.
 
-Only single-node launching is implemented. Options that exist for multi-node or elastic
-runs are accepted by the parser so that upstream command lines parse, and each one that
-would need more than this machine is refused with an error saying so.
+Elastic training and autotuning are accepted by the parser so that upstream command lines
+parse, and refused with an error saying so.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import socket
 import sys
 from typing import Optional
 
+from deepspeed.launcher.hostfile import (
+    ResourcePool,
+    filter_pool,
+    limit_pool,
+    parse_filter,
+    read_hostfile,
+)
 from deepspeed.launcher.launch import (
     LaunchSpec,
     launch_local,
+    node_layout,
     parse_core_list,
     split_cores,
+    supervise,
     visible_devices_env,
 )
+from deepspeed.launcher.multinode_runner import (
+    DEEPSPEED_ENV_FILE,
+    RUNNERS,
+    JobSpec,
+    MultiNodeRunner,
+    collect_exports,
+)
+from deepspeed.utils.logging import logger
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
-# The file of extra environment lines (NAME=value) upstream exports to every node of a
-# multi-node launch, looked up in the working directory and the home directory. Launching
-# here is single-node (ranks inherit this environment), so only the name is kept, for
-# clients that write the file (`accelerate launch`).
-DEEPSPEED_ENVIRONMENT_NAME = os.getenv("DS_ENV_FILE", ".deepspeed_env")
-KNOWN_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
-LOCAL_ONLY = "only local (single-node) launching is supported by this deepspeed"
+# The file of extra environment lines (NAME=value) exported to every node of a multi-node
+# launch, looked up in the home directory and then the working directory.
+DEEPSPEED_ENVIRONMENT_NAME = DEEPSPEED_ENV_FILE
+KNOWN_LAUNCHERS = tuple(RUNNERS)
+LOCALHOST = "localhost"
 
 
 def _add_resource_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-H", "--hostfile", default=DEFAULT_HOSTFILE, help="hostfile; one local host at most")
-    parser.add_argument("-i", "--include", default="", help="devices to use, e.g. 'localhost:0,2'")
-    parser.add_argument("-e", "--exclude", default="", help="devices to skip, e.g. 'localhost:1'")
-    parser.add_argument("--num_nodes", type=int, default=-1, help="must be 1 (or unset)")
+    parser.add_argument("-H", "--hostfile", default=DEFAULT_HOSTFILE, help="'hostname slots=N' lines")
+    parser.add_argument("-i", "--include", default="", help="hosts/devices to use, e.g. 'w0:0,2@w1'")
+    parser.add_argument("-e", "--exclude", default="", help="hosts/devices to skip, e.g. 'w1:3@w2'")
+    parser.add_argument("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
     parser.add_argument(
         "--num_gpus",
         "--num_accelerators",
@@ -53,31 +74,35 @@ def _add_resource_args(parser: argparse.ArgumentParser) -> None:
         dest="num_gpus",
         type=int,
         default=-1,
-        help="number of local ranks (default: the accelerator's device count)",
+        help="ranks per node (default: the hostfile's slots, or the accelerator's device count)",
     )
     parser.add_argument("--min_elastic_nodes", type=int, default=-1, help="not supported")
     parser.add_argument("--max_elastic_nodes", type=int, default=-1, help="not supported")
     parser.add_argument("--elastic_training", action="store_true", help="not supported")
-    parser.add_argument("--node_rank", type=int, default=-1, help="must be 0 (or unset)")
-    parser.add_argument("--force_multi", action="store_true", help="not supported")
+    parser.add_argument("--node_rank", type=int, default=-1, help="this node's index (with --no_ssh)")
+    parser.add_argument("--force_multi", action="store_true", help="use --launcher even for one host")
     parser.add_argument("--autotuning", default="", choices=["", "tune", "run"], help="not supported")
 
 
 def _add_multinode_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT)
-    parser.add_argument("--master_addr", default="", help="default 127.0.0.1")
     parser.add_argument(
-        "--launcher",
-        default="pdsh",
-        type=str.lower,
-        help=f"multi-node launcher {KNOWN_LAUNCHERS}; unused locally",
+        "--master_port",
+        type=int,
+        default=None,
+        help=f"rendezvous port (default {DEFAULT_MASTER_PORT}; a free one when that is busy on one node)",
     )
-    parser.add_argument("--launcher_args", default="", help="unused locally")
-    parser.add_argument("--ssh_port", type=int, default=None, help="unused locally")
-    parser.add_argument("--no_ssh", action="store_true", help="unused locally")
-    parser.add_argument("--no_ssh_check", action="store_true", help="unused locally")
-    parser.add_argument("--venv_script", default=None, help="unused locally")
-    parser.add_argument("--comment", default="", help="unused locally")
+    parser.add_argument("--master_addr", default="", help="rendezvous host (default: the first host)")
+    parser.add_argument(
+        "--launcher", default="pdsh", type=str.lower, help=f"multi-node launcher {KNOWN_LAUNCHERS}"
+    )
+    parser.add_argument("--launcher_args", default="", help="extra arguments for pdsh/ssh/mpirun/srun")
+    parser.add_argument("--ssh_port", type=int, default=None, help="ssh port of the nodes (pdsh, ssh)")
+    parser.add_argument(
+        "--no_ssh", action="store_true", help="start this node's ranks only (needs --node_rank)"
+    )
+    parser.add_argument("--no_ssh_check", action="store_true", help="accepted; no ssh check is made")
+    parser.add_argument("--venv_script", default=None, help="script every node sources first (pdsh, ssh)")
+    parser.add_argument("--comment", default="", help="accepted; unused")
 
 
 def _add_process_args(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +120,7 @@ def _add_process_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepspeed",
-        description="Run a training script on this machine's accelerators (single node).",
+        description="Run a training script on this machine's accelerators or on the hosts of a hostfile.",
     )
     _add_resource_args(parser)
     _add_multinode_args(parser)
@@ -112,145 +137,221 @@ def parse_args(args: Optional[list[str]] = None) -> argparse.Namespace:
 
 def _local_names() -> set[str]:
     hostname = socket.gethostname()
-    return {"localhost", "127.0.0.1", hostname, hostname.split(".")[0]}
+    return {LOCALHOST, "127.0.0.1", hostname, hostname.split(".")[0]}
 
 
-def read_hostfile(path: str) -> Optional[dict[str, int]]:
-    """`{host: slots}` from a `host slots=N` file, or None when the file does not exist."""
-    if not os.path.isfile(path):
-        return None
-    hosts: dict[str, int] = {}
-    with open(path) as f:
-        for line in f:
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            host, _, slots = line.partition(" ")
-            slots = slots.strip()
-            if not slots.startswith("slots=") or not slots[6:].isdigit():
-                raise ValueError(f"hostfile {path}: bad line {line!r}; expected 'hostname slots=N'")
-            if host in hosts:
-                raise ValueError(f"hostfile {path}: host {host!r} is listed twice")
-            hosts[host] = int(slots[6:])
-    return hosts
-
-
-def _hostfile_slots(path: str) -> Optional[int]:
-    hosts = read_hostfile(path)
-    if not hosts:
-        return None
-    if len(hosts) > 1:
-        raise ValueError(f"{LOCAL_ONLY}; hostfile {path} lists {len(hosts)} hosts {sorted(hosts)}")
-    ((host, slots),) = hosts.items()
-    if host not in _local_names():
-        raise ValueError(f"{LOCAL_ONLY}; hostfile {path} names the remote host {host!r}")
-    return slots
-
-
-def parse_inclusion(text: str, flag: str) -> dict[str, Optional[list[int]]]:
-    """`'localhost:0,2@other'` -> `{'localhost': [0, 2], 'other': None}` (None: every slot)."""
-    hosts: dict[str, Optional[list[int]]] = {}
-    for entry in text.split("@"):
-        host, sep, slots = entry.strip().partition(":")
-        if not host:
-            raise ValueError(f"{flag} {text!r}: empty host name; expected 'host[:slot,slot]@...'")
-        try:
-            hosts[host] = [int(s) for s in slots.split(",")] if sep else None
-        except ValueError:
-            raise ValueError(f"{flag} {text!r}: slots of {host!r} must be comma-separated integers") from None
-    remote = sorted(set(hosts) - _local_names())
-    if remote:
-        raise ValueError(f"{LOCAL_ONLY}; {flag} names remote hosts {remote}")
-    return hosts
-
-
-def _filter_slots(available: list[int], include: str, exclude: str) -> list[int]:
-    if include and exclude:
-        raise ValueError("--include and --exclude are mutually exclusive; use one")
-    text, flag = (include, "--include") if include else (exclude, "--exclude")
-    chosen: set[int] = set()
-    every = False
-    for slots in parse_inclusion(text, flag).values():
-        every = every or slots is None
-        chosen.update(slots or ())
-    unknown = sorted(chosen - set(available))
-    if unknown:
-        raise ValueError(f"{flag} names devices {unknown}, but this machine has {available}")
-    if include:
-        return list(available) if every else sorted(chosen)
-    selected = [] if every else [s for s in available if s not in chosen]
-    if not selected:
-        raise ValueError(f"--exclude {exclude!r} leaves no devices to run on")
-    return selected
-
-
-def _default_count(hostfile: str) -> int:
-    slots = _hostfile_slots(hostfile)
-    if slots is not None:
-        return slots
+def _local_device_count() -> int:
     from deepspeed.accelerator import get_accelerator  # imports torch: only when needed
 
     return max(1, get_accelerator().device_count())
 
 
-def resolve_device_ids(ns: argparse.Namespace) -> tuple[list[int], bool]:
-    """The local device ids to run on, and whether they restrict the visible devices."""
-    if ns.include or ns.exclude:
-        if ns.num_gpus > 0 or ns.num_nodes > 0:
-            raise ValueError("--num_gpus/--num_procs/--num_nodes cannot be combined with --include/--exclude")
-        available = list(range(_default_count(ns.hostfile)))
-        return _filter_slots(available, ns.include, ns.exclude), True
-    if ns.num_gpus == 0 or ns.num_gpus < -1:
-        raise ValueError(f"--num_gpus/--num_procs must be a positive number of ranks, got {ns.num_gpus}")
-    if ns.num_gpus > 0:
-        return list(range(ns.num_gpus)), False
-    return list(range(_default_count(ns.hostfile))), False
+def _localize_filter(spec: str, flag: str) -> str:
+    """Without a hostfile the only host is this one: accept any of its names in a filter."""
+    if not spec:
+        return spec
+    local = _local_names()
+    parts = []
+    for host, slots in parse_filter(spec, flag).items():
+        if host not in local:
+            raise ValueError(
+                f"{flag} {spec!r}: host {host!r} is not this machine, and there is no hostfile; "
+                "write the hosts into a hostfile (--hostfile) to run on them"
+            )
+        parts.append(LOCALHOST if slots is None else f"{LOCALHOST}:{','.join(map(str, slots))}")
+    return "@".join(parts)
 
 
-# ----------------------------------------------------------------------------- validation and main
+def resolve_pool(ns: argparse.Namespace) -> tuple[ResourcePool, bool]:
+    """The hosts and device slots to run on, and whether they came from a hostfile."""
+    if (ns.include or ns.exclude) and (ns.num_gpus > 0 or ns.num_nodes > 0):
+        raise ValueError("--num_gpus/--num_procs/--num_nodes cannot be combined with --include/--exclude")
+    hosts = read_hostfile(ns.hostfile)
+    from_hostfile = hosts is not None
+    include, exclude = ns.include, ns.exclude
+    if hosts is None:
+        if ns.num_nodes > 1:
+            raise ValueError(
+                f"--num_nodes={ns.num_nodes} needs a hostfile listing the nodes; {ns.hostfile} does not exist"
+            )
+        count = ns.num_gpus if ns.num_gpus > 0 and not (include or exclude) else None
+        hosts = {LOCALHOST: count or _local_device_count()}
+        include, exclude = _localize_filter(include, "--include"), _localize_filter(exclude, "--exclude")
+    pool = {host: list(range(slots)) for host, slots in hosts.items()}
+    pool = filter_pool(pool, include, exclude)
+    return limit_pool(pool, ns.num_nodes, ns.num_gpus), from_hostfile
+
+
+# ----------------------------------------------------------------------------- validation
 
 
 def check_supported(ns: argparse.Namespace) -> None:
-    """Refuse, with a reason, the options that need more than this machine."""
+    """Refuse, with a reason, the options this launcher does not offer or that conflict."""
     if ns.launcher not in KNOWN_LAUNCHERS:
         raise ValueError(f"--launcher {ns.launcher!r} is unknown; choose one of {list(KNOWN_LAUNCHERS)}")
-    if ns.num_nodes > 1:
-        raise ValueError(f"{LOCAL_ONLY}; got --num_nodes={ns.num_nodes}")
-    if ns.force_multi:
-        raise ValueError(f"{LOCAL_ONLY}; got --force_multi")
-    if ns.node_rank > 0:
-        raise ValueError(f"{LOCAL_ONLY}; got --node_rank={ns.node_rank}")
     if ns.elastic_training or ns.min_elastic_nodes > 0 or ns.max_elastic_nodes > 0:
         raise ValueError("elastic training is not supported by this deepspeed launcher")
     if ns.autotuning:
         raise ValueError("--autotuning is not supported by this deepspeed launcher")
     if ns.module and ns.no_python:
         raise ValueError("--module and --no_python are mutually exclusive")
+    if ns.no_ssh and ns.node_rank < 0:
+        raise ValueError("--no_ssh starts one node of the job: give this node's index with --node_rank=N")
+    if ns.node_rank >= 0 and not ns.no_ssh:
+        raise ValueError(f"--node_rank={ns.node_rank} is only meaningful with --no_ssh")
     if not (ns.module or ns.no_python) and not os.path.isfile(ns.user_script):
         raise ValueError(f"user script {ns.user_script!r} does not exist")
 
 
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def local_master_port(requested: Optional[int]) -> int:
+    """The port of a single-node job: the one asked for, else 29500, else any free one."""
+    if requested is not None:
+        return requested
+    if _port_is_free(DEFAULT_MASTER_PORT):
+        return DEFAULT_MASTER_PORT
+    port = _free_port()
+    logger.warning(f"port {DEFAULT_MASTER_PORT} is busy on this machine; using free port {port} instead")
+    return port
+
+
+def _rank_cores(ns: argparse.Namespace, num_procs: int) -> Optional[list[list[int]]]:
+    if not (ns.bind_cores_to_rank or ns.bind_core_list):
+        return None
+    cores = parse_core_list(ns.bind_core_list) if ns.bind_core_list else sorted(os.sched_getaffinity(0))
+    return split_cores(cores, num_procs)
+
+
+def _log_dir(ns: argparse.Namespace) -> Optional[str]:
+    return None if ns.enable_each_rank_log in ("None", "") else ns.enable_each_rank_log
+
+
+# ----------------------------------------------------------------------------- the three modes
+
+
 def build_spec(ns: argparse.Namespace) -> LaunchSpec:
-    check_supported(ns)
-    device_ids, restricted = resolve_device_ids(ns)
-    rank_cores = None
-    if ns.bind_cores_to_rank or ns.bind_core_list:
-        cores = parse_core_list(ns.bind_core_list) if ns.bind_core_list else sorted(os.sched_getaffinity(0))
-        rank_cores = split_cores(cores, len(device_ids))
+    """A single-node job on this machine (a one-host hostfile runs here too, as upstream)."""
+    pool, _ = resolve_pool(ns)
+    (slots,) = pool.values()
     return LaunchSpec(
         user_script=ns.user_script,
         user_args=list(ns.user_args),
-        num_procs=len(device_ids),
+        num_procs=len(slots),
         master_addr=ns.master_addr or "127.0.0.1",
-        master_port=ns.master_port,
+        master_port=local_master_port(ns.master_port),
         module=ns.module,
         no_python=ns.no_python,
         no_local_rank=ns.no_local_rank,
-        log_dir=None if ns.enable_each_rank_log in ("None", "") else ns.enable_each_rank_log,
-        rank_cores=rank_cores,
-        visible_devices=visible_devices_env(device_ids) if restricted else None,
+        log_dir=_log_dir(ns),
+        rank_cores=_rank_cores(ns, len(slots)),
+        visible_devices=visible_devices_env(slots) if (ns.include or ns.exclude) else None,
         save_pid=ns.save_pid,
     )
+
+
+def build_node_spec(ns: argparse.Namespace, pool: ResourcePool) -> LaunchSpec:
+    """`--no_ssh`: this node's share of a job the user starts on every node."""
+    slots, offset, world_size = node_layout(pool, ns.node_rank)
+    restricted = slots != list(range(len(slots)))
+    return LaunchSpec(
+        user_script=ns.user_script,
+        user_args=list(ns.user_args),
+        num_procs=len(slots),
+        master_addr=ns.master_addr or next(iter(pool)),
+        master_port=ns.master_port if ns.master_port is not None else DEFAULT_MASTER_PORT,
+        module=ns.module,
+        no_python=ns.no_python,
+        no_local_rank=ns.no_local_rank,
+        log_dir=_log_dir(ns),
+        rank_cores=_rank_cores(ns, len(slots)),
+        visible_devices=visible_devices_env(slots) if restricted else None,
+        save_pid=ns.save_pid,
+        node_rank=ns.node_rank,
+        num_nodes=len(pool),
+        rank_offset=offset,
+        world_size=world_size,
+    )
+
+
+def build_runner(ns: argparse.Namespace, pool: ResourcePool) -> MultiNodeRunner:
+    """A job on every host of `pool`, started through `--launcher`.
+
+    An empty `pool` is a Slurm job without a hostfile: `--num_nodes` x `--num_gpus` tasks
+    placed by srun in the current allocation.
+    """
+    job = JobSpec(
+        pool=pool,
+        user_script=ns.user_script,
+        user_args=list(ns.user_args),
+        master_addr=ns.master_addr or (next(iter(pool)) if pool else ""),
+        master_port=ns.master_port if ns.master_port is not None else DEFAULT_MASTER_PORT,
+        exports=collect_exports(),
+        launcher_args=shlex.split(ns.launcher_args),
+        module=ns.module,
+        no_python=ns.no_python,
+        no_local_rank=ns.no_local_rank,
+        ssh_port=ns.ssh_port,
+        venv_script=ns.venv_script,
+        log_dir=_log_dir(ns),
+        save_pid=ns.save_pid,
+        bind_cores_to_rank=ns.bind_cores_to_rank,
+        bind_core_list=ns.bind_core_list,
+        num_nodes=max(ns.num_nodes, 0),
+        ntasks_per_node=max(ns.num_gpus, 0),
+    )
+    runner = RUNNERS[ns.launcher](job)
+    runner.check()
+    return runner
+
+
+def _slurm_allocation(ns: argparse.Namespace) -> bool:
+    """`--launcher slurm --num_nodes N --num_gpus G` without a hostfile: srun places the tasks."""
+    if ns.launcher != "slurm" or os.path.isfile(ns.hostfile) or ns.num_nodes <= 1:
+        return False
+    if ns.num_gpus <= 0 or ns.include or ns.exclude:
+        raise ValueError(
+            "--launcher slurm without a hostfile takes --num_nodes N and --num_gpus G (tasks per node), "
+            "and no --include/--exclude"
+        )
+    return True
+
+
+def plan(ns: argparse.Namespace):
+    """What to run: a LaunchSpec for this node, or a MultiNodeRunner for the cluster."""
+    check_supported(ns)
+    if _slurm_allocation(ns):
+        return build_runner(ns, {})
+    pool, from_hostfile = resolve_pool(ns)
+    if ns.no_ssh:
+        return build_node_spec(ns, pool)
+    if from_hostfile and (len(pool) > 1 or ns.force_multi):
+        return build_runner(ns, pool)
+    if ns.force_multi:
+        raise ValueError(f"--force_multi needs a hostfile; {ns.hostfile} does not exist")
+    return build_spec(ns)
+
+
+def run_multinode(runner: MultiNodeRunner) -> int:
+    children = runner.children()
+    logger.info(f"{runner.name}: starting {runner.job.world_size} ranks on {runner.job.hosts}")
+    try:
+        return supervise(children)
+    finally:
+        runner.cleanup()
 
 
 def main(args: Optional[list[str]] = None) -> int:
@@ -258,10 +359,12 @@ def main(args: Optional[list[str]] = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(args)
     try:
-        spec = build_spec(ns)
+        job = plan(ns)
     except ValueError as err:
         parser.error(str(err))  # exits with status 2 and "deepspeed: error: ..."
-    return launch_local(spec)
+    if isinstance(job, LaunchSpec):
+        return launch_local(job)
+    return run_multinode(job)
 
 
 if __name__ == "__main__":

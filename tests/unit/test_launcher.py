@@ -143,19 +143,20 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path):
 # ----------------------------------------------------------------------------- bad command lines
 
 BAD_ARGS = [
-    (["--num_nodes", "2"], "only local"),
-    (["--force_multi"], "only local"),
-    (["--node_rank", "1"], "only local"),
-    (["--include", "worker-1:0"], "remote hosts ['worker-1']"),
+    (["--num_nodes", "2"], "--num_nodes=2, but the hostfile lists 1 hosts"),
+    (["--node_rank", "1"], "only meaningful with --no_ssh"),
+    (["--no_ssh"], "--node_rank=N"),
+    (["--include", "worker-1:0"], "host 'worker-1' is not in the hostfile"),
     (["--include", "localhost:0", "--exclude", "localhost:1"], "mutually exclusive"),
     (["--num_procs", "2", "--include", "localhost:0"], "cannot be combined"),
-    (["--include", "localhost:5"], "names devices [5]"),
+    (["--include", "localhost:5"], "'localhost' has no slots [5]; it has [0, 1]"),
     (["--exclude", "localhost"], "leaves no devices"),
     (["--launcher", "foo"], "--launcher 'foo' is unknown"),
     (["--elastic_training"], "elastic training is not supported"),
     (["--autotuning", "tune"], "--autotuning is not supported"),
     (["--num_procs", "0"], "must be a positive number"),
-    (["--bind_core_list", "0-1", "--num_procs", "3"], "fewer cores than ranks"),
+    (["--bind_core_list", "0", "--num_procs", "2"], "fewer cores than ranks"),
+    (["--num_procs", "3"], "these hosts have fewer slots: {'localhost': 2}"),
     (["--bind_core_list", "a-b"], "bad core list"),
 ]
 
@@ -184,12 +185,10 @@ def test_bad_script_gives_clear_error(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_multi_host_hostfile_is_refused(tmp_path, capsys):
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+def test_remote_filter_without_hostfile_is_refused(capsys):
     with pytest.raises(SystemExit):
-        runner.main(["--hostfile", str(hostfile), RANK_SCRIPT])
-    assert "hostfile" in capsys.readouterr().err
+        runner.main(["--hostfile", "/nonexistent/hostfile", "--include", "worker-1:0", RANK_SCRIPT])
+    assert "host 'worker-1' is not this machine, and there is no hostfile" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -198,20 +197,23 @@ def test_multi_host_hostfile_is_refused(tmp_path, capsys):
 def test_local_hostfile_and_include_exclude(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# one local host\nlocalhost slots=4\n")
-    parse = runner.parse_args
-    assert runner.resolve_device_ids(parse(["-H", str(hostfile), "x.py"])) == ([0, 1, 2, 3], False)
-    assert runner.resolve_device_ids(parse(["-H", str(hostfile), "-i", "localhost:0,2", "x.py"])) == (
-        [0, 2],
-        True,
-    )
-    assert runner.resolve_device_ids(parse(["-H", str(hostfile), "-e", "localhost:1", "x.py"])) == (
-        [0, 2, 3],
-        True,
-    )
-    assert runner.resolve_device_ids(parse(["-H", str(hostfile), "--num_gpus", "2", "x.py"])) == (
-        [0, 1],
-        False,
-    )
+
+    def pool(*args):
+        return runner.resolve_pool(runner.parse_args(["-H", str(hostfile), *args, "x.py"]))[0]
+
+    assert pool() == {"localhost": [0, 1, 2, 3]}
+    assert pool("-i", "localhost:0,2") == {"localhost": [0, 2]}
+    assert pool("-e", "localhost:1") == {"localhost": [0, 2, 3]}
+    assert pool("--num_gpus", "2") == {"localhost": [0, 1]}
+
+
+def test_no_hostfile_means_this_machine():
+    def pool(*args):
+        return runner.resolve_pool(runner.parse_args(["-H", "/nonexistent/hostfile", *args, "x.py"]))
+
+    assert pool("--num_procs", "3") == ({"localhost": [0, 1, 2]}, False)
+    # any name of this machine works in a filter
+    assert pool("--include", f"{runner.socket.gethostname()}:0") == ({"localhost": [0]}, False)
 
 
 def test_core_lists():
