@@ -1,62 +1,109 @@
-// Fused Adam / AdamW step on contiguous fp32 CPU tensors, for DeepSpeedCPUAdam.
+// Python bindings of the fused CPU Adam / AdamW step (DeepSpeedCPUAdam).
 //
-// [Note: matching torch.optim.Adam rounding]
-// Each element goes through the same float operations, in the same order, as the
-// single-tensor (foreach=False) path of torch.optim.Adam / AdamW:
-//   AdamW: p = p * (1 - lr * wd)              Adam: g = g + wd * p   (fused multiply-add)
-//   m = m + (1 - beta1) * (g - m)             (torch's lerp, a fused multiply-add)
-//   v = v * beta2 + ((1 - beta2) * g) * g    (torch's addcmul, the last add fused)
-//   p = p + (-step_size * m) / (sqrt(v) / sqrt(bias_correction2) + eps)
-// The step scalars are computed in double and rounded to float once, as torch does with
-// Python floats. The build passes -ffp-contract=off so that the compiler fuses nothing
-// else; std::fma is used exactly where torch's vectorized (AVX2/AVX-512) kernels fuse.
-// What remains is sqrt: torch's goes through MKL's vector math, which is not always
-// correctly rounded, while std::sqrt is, so denom (and then param) can differ by an ulp.
+// One call steps a whole param group: the tensors are cut into spans of at most kSpan
+// elements, and the spans are shared out between torch's OpenMP threads (the library links
+// the same libgomp as torch, so torch.set_num_threads applies). Each span makes one pass over
+// param, grad, exp_avg and exp_avg_sq, and writes the low-precision copy of the new parameter
+// in that pass when one is asked for.
+//
+// The vector kernel (adam_avx512.cpp, adam_avx2.cpp, adam_neon.cpp, or adam_scalar.cpp) is
+// chosen when the library loads: the widest one this CPU supports, or the one named by the
+// environment variable DS_CPU_ADAM_ISA. `set_isa` switches at run time (the tests run every
+// path the machine supports).
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
-
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "adam_span.h"
 
 namespace {
 
-// Elements per OpenMP task: large enough to amortize scheduling, small enough to balance.
-constexpr int64_t kChunk = 1 << 15;
+using ds_adam::Dtype;
+using ds_adam::Kernels;
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-// One clone per instruction set; the loader picks the best one for this CPU at start-up.
-#define DS_CPU_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-#else
-#define DS_CPU_CLONES
+// Elements per span: 64 Ki floats are 256 KiB per stream, so a thread's next span starts
+// where its previous one ended and the hardware prefetchers stay on their streams.
+constexpr int64_t kSpan = 1 << 16;
+// Below this many elements in a call, a single thread is faster than waking the others.
+constexpr int64_t kParallelMin = 1 << 15;
+
+bool cpu_supports(const std::string& isa) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (isa == "avx512") return __builtin_cpu_supports("avx512f");
+  if (isa == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
 #endif
+  return isa == "scalar" || (isa == "neon" && ds_adam::neon_kernels().adam != nullptr);
+}
 
-enum class DecayMode { kNone, kL2, kDecoupled };
+// Best first; a path is available when it was compiled for this architecture and the CPU has it.
+std::vector<Kernels> available_kernels() {
+  std::vector<Kernels> out;
+  for (const Kernels& k : {ds_adam::avx512_kernels(), ds_adam::avx2_kernels(), ds_adam::neon_kernels(),
+                           ds_adam::scalar_kernels()}) {
+    if (k.adam != nullptr && cpu_supports(k.name)) out.push_back(k);
+  }
+  return out;
+}
 
-struct StepScalars {
-  float one_minus_beta1;  // lerp weight for exp_avg
-  float beta2;
-  float one_minus_beta2;
-  float bias_correction2_sqrt;
-  float eps;
-  float neg_step_size;  // -lr / bias_correction1
-  float weight_decay;   // L2 mode: added to the gradient as wd * param
-  float decay_factor;   // decoupled mode: param *= 1 - lr * wd
-  DecayMode mode;
-};
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names;
+  for (const Kernels& k : available_kernels()) names.emplace_back(k.name);
+  return names;
+}
 
-StepScalars make_scalars(int64_t step, double lr, double beta1, double beta2, double eps,
-                         double weight_decay, bool bias_correction, bool adamw_mode) {
+const Kernels& find_kernels(const std::string& name) {
+  static const std::vector<Kernels> kernels = available_kernels();
+  for (const Kernels& k : kernels) {
+    if (name == k.name) return k;
+  }
+  std::string names;
+  for (const Kernels& k : kernels) names += std::string(names.empty() ? "" : ", ") + k.name;
+  TORCH_CHECK(false, "cpu_adam: instruction set '", name, "' is not available on this CPU; choose one of: ",
+              names);
+  return kernels.front();  // not reached
+}
+
+// The active kernels: DS_CPU_ADAM_ISA if set, else the best available.
+const Kernels*& active() {
+  static const Kernels* current = [] {
+    const char* env = std::getenv("DS_CPU_ADAM_ISA");
+    return &find_kernels(env != nullptr && *env != '\0' ? std::string(env) : available_kernels().front().name);
+  }();
+  return current;
+}
+
+std::string isa() { return active()->name; }
+
+// Selects a kernel by name; returns the previous one's name.
+std::string set_isa(const std::string& name) {
+  const std::string previous = active()->name;
+  active() = &find_kernels(name);
+  return previous;
+}
+
+ds_adam::Scalars make_scalars(int64_t step, double lr, double beta1, double beta2, double eps,
+                              double weight_decay, bool bias_correction, bool adamw_mode) {
   TORCH_CHECK(step >= 1, "cpu_adam: step must be >= 1 (the count after this update), got ", step);
   const double steps = static_cast<double>(step);
   const double bias_correction1 = bias_correction ? 1.0 - std::pow(beta1, steps) : 1.0;
   const double bias_correction2 = bias_correction ? 1.0 - std::pow(beta2, steps) : 1.0;
-  StepScalars s;
-  s.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  ds_adam::Scalars s;
+  const float weight = static_cast<float>(1.0 - beta1);
+  s.lerp_from_avg = std::fabs(weight) < 0.5f;  // torch's lerp switches branch at weight 0.5
+  s.lerp_coeff = s.lerp_from_avg ? weight : weight - 1.0f;
   s.beta2 = static_cast<float>(beta2);
   s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   s.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
@@ -65,134 +112,162 @@ StepScalars make_scalars(int64_t step, double lr, double beta1, double beta2, do
   s.weight_decay = static_cast<float>(weight_decay);
   s.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
   if (weight_decay == 0.0) {
-    s.mode = DecayMode::kNone;
+    s.decay = ds_adam::Decay::kNone;
   } else {
-    s.mode = adamw_mode ? DecayMode::kDecoupled : DecayMode::kL2;
+    s.decay = adamw_mode ? ds_adam::Decay::kDecoupled : ds_adam::Decay::kL2;
   }
   return s;
 }
 
-// The moment updates and the parameter step for one element; `g` already carries L2 decay.
-inline __attribute__((always_inline)) float adam_element(float p, float g, float& m, float& v,
-                                                         const StepScalars& s) {
-  const float w = s.one_minus_beta1;
-  // torch's lerp takes the other branch for weights >= 0.5 (beta1 <= 0.5).
-  m = (std::fabs(w) < 0.5f) ? std::fma(w, g - m, m) : std::fma(w - 1.0f, g - m, g);
-  v = std::fma(s.one_minus_beta2 * g, g, v * s.beta2);
-  const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
-  return p + (s.neg_step_size * m) / denom;
-}
-
-// One chunk [begin, end); the decay mode is hoisted out of the loop so each loop vectorizes.
-DS_CPU_CLONES void adam_chunk(float* __restrict param, const float* __restrict grad,
-                              float* __restrict exp_avg, float* __restrict exp_avg_sq, int64_t begin,
-                              int64_t end, const StepScalars& s) {
-  if (s.mode == DecayMode::kNone) {
-    for (int64_t i = begin; i < end; ++i) {
-      param[i] = adam_element(param[i], grad[i], exp_avg[i], exp_avg_sq[i], s);
-    }
-  } else if (s.mode == DecayMode::kL2) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float g = std::fma(param[i], s.weight_decay, grad[i]);
-      param[i] = adam_element(param[i], g, exp_avg[i], exp_avg_sq[i], s);
-    }
-  } else {
-    for (int64_t i = begin; i < end; ++i) {
-      param[i] = adam_element(param[i] * s.decay_factor, grad[i], exp_avg[i], exp_avg_sq[i], s);
-    }
+Dtype dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return Dtype::kF32;
+    case at::kBFloat16: return Dtype::kBF16;
+    case at::kHalf: return Dtype::kF16;
+    default: return Dtype::kNone;
   }
 }
 
-template <typename T>
-void copy_out_chunk(const float* __restrict src, T* __restrict dst, int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; ++i) {
-    dst[i] = static_cast<T>(src[i]);  // c10::Half / c10::BFloat16 round to nearest even
-  }
+void check_tensor(const at::Tensor& t, const char* name, size_t index, int64_t numel) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu(), "cpu_adam: ", name, "[", index, "] must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "cpu_adam: ", name, "[", index, "] must be contiguous");
+  TORCH_CHECK(t.numel() == numel, "cpu_adam: ", name, "[", index, "] has ", t.numel(),
+              " elements, param has ", numel);
 }
 
-void check_fp32(const at::Tensor& t, const char* name, int64_t numel) {
-  TORCH_CHECK(t.device().is_cpu(), "cpu_adam: ", name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "cpu_adam: ", name, " must be float32, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "cpu_adam: ", name, " must be contiguous");
-  TORCH_CHECK(t.numel() == numel, "cpu_adam: ", name, " has ", t.numel(), " elements, param has ", numel);
-}
-
-void check_all(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-               const at::Tensor& exp_avg_sq) {
+// Checks tensor `i` of a group and describes it as one span (cut into pieces later).
+ds_adam::Span describe(size_t i, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                       const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out) {
   const int64_t n = param.numel();
-  check_fp32(param, "param", n);
-  check_fp32(grad, "grad", n);
-  check_fp32(exp_avg, "exp_avg", n);
-  check_fp32(exp_avg_sq, "exp_avg_sq", n);
+  check_tensor(param, "params", i, n);
+  check_tensor(grad, "grads", i, n);
+  check_tensor(exp_avg, "exp_avgs", i, n);
+  check_tensor(exp_avg_sq, "exp_avg_sqs", i, n);
+  const Dtype pt = dtype_of(param);
+  const Dtype gt = dtype_of(grad);
+  TORCH_CHECK(pt != Dtype::kNone, "cpu_adam: params[", i, "] must be float32, bfloat16 or float16, got ",
+              param.scalar_type());
+  // fp32 params take fp32/bf16/fp16 grads; low-precision params take fp32 or their own dtype.
+  TORCH_CHECK(gt != Dtype::kNone && (pt == Dtype::kF32 || gt == Dtype::kF32 || gt == pt), "cpu_adam: grads[", i,
+              "] must be float32 or the param's dtype (", param.scalar_type(), "), got ", grad.scalar_type());
+  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat && exp_avg_sq.scalar_type() == at::kFloat,
+              "cpu_adam: exp_avgs[", i, "] and exp_avg_sqs[", i, "] must be float32, got ",
+              exp_avg.scalar_type(), " and ", exp_avg_sq.scalar_type());
+  ds_adam::Span span{param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                     nullptr, 0, n, pt, gt, Dtype::kNone, nullptr};
+  if (out.has_value()) {
+    check_tensor(*out, "outs", i, n);
+    span.out_type = dtype_of(*out);
+    TORCH_CHECK(span.out_type != Dtype::kNone, "cpu_adam: outs[", i,
+                "] must be float32, bfloat16 or float16, got ", out->scalar_type());
+    TORCH_CHECK(pt == Dtype::kF32, "cpu_adam: outs[", i, "] is only supported for float32 params, got ",
+                param.scalar_type(), "; a low-precision param is itself updated in place");
+    span.out = out->data_ptr();
+  }
+  return span;
 }
 
-// Updates param, exp_avg and exp_avg_sq in place; when `out` is defined, also writes the new
-// param into it (fp32, fp16 or bf16) chunk by chunk while the chunk is still in cache.
-void run_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
-              at::Tensor& exp_avg_sq, const StepScalars& s, at::Tensor* out) {
-  const int64_t n = param.numel();
-  float* p = param.data_ptr<float>();
-  const float* g = grad.data_ptr<float>();
-  float* m = exp_avg.data_ptr<float>();
-  float* v = exp_avg_sq.data_ptr<float>();
-  const auto out_type = out == nullptr ? at::kFloat : out->scalar_type();
-  void* dst = out == nullptr ? nullptr : out->data_ptr();
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) if (chunks > 1)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t begin = c * kChunk;
-    const int64_t end = std::min(n, begin + kChunk);
-    adam_chunk(p, g, m, v, begin, end, s);
-    if (dst == nullptr) continue;
-    if (out_type == at::kBFloat16) {
-      copy_out_chunk(p, static_cast<c10::BFloat16*>(dst), begin, end);
-    } else if (out_type == at::kHalf) {
-      copy_out_chunk(p, static_cast<c10::Half*>(dst), begin, end);
-    } else {
-      copy_out_chunk(p, static_cast<float*>(dst), begin, end);
+// Cuts every tensor into spans of at most kSpan elements and runs them on `fn`, spread
+// statically over the threads so each thread walks one contiguous stretch of memory.
+template <class Fn>
+void run_spans(const std::vector<ds_adam::Span>& whole, Fn fn) {
+  std::vector<ds_adam::Span> spans;
+  int64_t total = 0;
+  for (const ds_adam::Span& t : whole) {
+    total += t.end;
+    for (int64_t begin = 0; begin < t.end; begin += kSpan) {
+      ds_adam::Span piece = t;
+      piece.begin = begin;
+      piece.end = std::min(t.end, begin + kSpan);
+      spans.push_back(piece);
     }
+  }
+  const int64_t count = static_cast<int64_t>(spans.size());
+  const int threads = total < kParallelMin ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), count));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t k = 0; k < count; ++k) {
+    fn(spans[k]);
   }
 }
 
-void adam_update(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-                 int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                 bool bias_correction, bool adamw_mode) {
-  check_all(param, grad, exp_avg, exp_avg_sq);
-  const StepScalars s = make_scalars(step, lr, beta1, beta2, eps, weight_decay, bias_correction, adamw_mode);
-  run_step(param, grad, exp_avg, exp_avg_sq, s, nullptr);
+// One Adam/AdamW step of a whole param group, in place. `steps[i]` is tensor i's step count
+// after this update; `outs`, when given, holds per tensor a copy target or None.
+void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+               const std::vector<std::optional<at::Tensor>>& outs, const std::vector<int64_t>& steps, double lr,
+               double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
+               bool adamw_mode) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
+                  (outs.empty() || outs.size() == n),
+              "cpu_adam: params, grads, exp_avgs, exp_avg_sqs and steps (and outs, if given) must have one "
+              "entry per tensor; got ",
+              n, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ", ", steps.size(),
+              " and ", outs.size());
+  std::vector<ds_adam::Scalars> scalars(n);
+  std::vector<ds_adam::Span> spans(n);
+  for (size_t i = 0; i < n; ++i) {
+    scalars[i] = make_scalars(steps[i], lr, beta1, beta2, eps, weight_decay, bias_correction, adamw_mode);
+    spans[i] = describe(i, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
+                        outs.empty() ? std::nullopt : outs[i]);
+  }
+  for (size_t i = 0; i < n; ++i) spans[i].scalars = &scalars[i];  // `scalars` no longer moves
+  const ds_adam::AdamFn kernel = active()->adam;
+  pybind11::gil_scoped_release no_gil;
+  run_spans(spans, kernel);
 }
 
-void adam_update_copy(at::Tensor param, at::Tensor grad, at::Tensor exp_avg,
-                      at::Tensor exp_avg_sq, at::Tensor param_out, int64_t step, double lr,
+// One tensor: the group step with a group of one (kept for callers of the single-tensor API).
+void adam_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                 const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
+                 double weight_decay, bool bias_correction, bool adamw_mode) {
+  adam_step({param}, {grad}, {exp_avg}, {exp_avg_sq}, {}, {step}, lr, beta1, beta2, eps, weight_decay,
+            bias_correction, adamw_mode);
+}
+
+void adam_update_copy(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                      const at::Tensor& exp_avg_sq, const at::Tensor& param_out, int64_t step, double lr,
                       double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
                       bool adamw_mode) {
-  check_all(param, grad, exp_avg, exp_avg_sq);
-  const auto t = param_out.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16,
-              "cpu_adam: param_out must be float32, float16 or bfloat16, got ", t);
-  TORCH_CHECK(param_out.device().is_cpu() && param_out.is_contiguous(),
-              "cpu_adam: param_out must be a contiguous CPU tensor");
-  TORCH_CHECK(param_out.numel() == param.numel(), "cpu_adam: param_out has ", param_out.numel(),
-              " elements, param has ", param.numel());
-  const StepScalars s = make_scalars(step, lr, beta1, beta2, eps, weight_decay, bias_correction, adamw_mode);
-  run_step(param, grad, exp_avg, exp_avg_sq, s, &param_out);
+  adam_step({param}, {grad}, {exp_avg}, {exp_avg_sq}, {param_out}, {step}, lr, beta1, beta2, eps, weight_decay,
+            bias_correction, adamw_mode);
+}
+
+// The bandwidth floor for benchmarks: param += grad, exp_avg += grad, exp_avg_sq += grad on
+// fp32 tensors, the same bytes, spans and threads as an fp32 Adam step.
+void bandwidth_probe(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                     const at::Tensor& exp_avg_sq) {
+  ds_adam::Span span = describe(0, param, grad, exp_avg, exp_avg_sq, std::nullopt);
+  TORCH_CHECK(span.param_type == Dtype::kF32 && span.grad_type == Dtype::kF32,
+              "cpu_adam: bandwidth_probe takes float32 tensors");
+  const ds_adam::ProbeFn probe = active()->probe;
+  pybind11::gil_scoped_release no_gil;
+  run_spans({span}, probe);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Fused Adam/AdamW step for fp32 CPU tensors (DeepSpeedCPUAdam)";
-  m.def("adam_update", &adam_update, "One Adam/AdamW step, in place", py::arg("param"), py::arg("grad"),
-        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
-        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("bias_correction"),
-        py::arg("adamw_mode"), py::call_guard<py::gil_scoped_release>());
+  m.doc() = "Fused Adam/AdamW step for CPU tensors (DeepSpeedCPUAdam)";
+  m.def("adam_step", &adam_step,
+        "One Adam/AdamW step of a param group, in place; outs (optional) receive the new params",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("outs"),
+        py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("bias_correction"), py::arg("adamw_mode"));
+  m.def("adam_update", &adam_update, "One Adam/AdamW step of one tensor, in place", py::arg("param"),
+        py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("step"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("bias_correction"),
+        py::arg("adamw_mode"));
   m.def("adam_update_copy", &adam_update_copy,
-        "One Adam/AdamW step, in place, also writing the new param into param_out (fp32/fp16/bf16)",
+        "One Adam/AdamW step of one fp32 tensor, in place, also writing the new param into param_out",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_out"),
         py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-        py::arg("weight_decay"), py::arg("bias_correction"), py::arg("adamw_mode"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("weight_decay"), py::arg("bias_correction"), py::arg("adamw_mode"));
+  m.def("bandwidth_probe", &bandwidth_probe, "p += g, m += g, v += g (fp32): the memory floor of a step",
+        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"));
+  m.def("isa", &isa, "The active kernel: avx512, avx2, neon or scalar");
+  m.def("set_isa", &set_isa, "Switch kernels by name; returns the previous name", py::arg("name"));
+  m.def("available_isas", &available_isas, "Kernels this CPU can run, best first");
   m.def("has_openmp", []() {
 #ifdef _OPENMP
     return true;

@@ -2,9 +2,16 @@
 
 The op is compiled at most once per session: the builder in ALL_OPS keeps the loaded
 module, and the library is cached in $TORCH_EXTENSIONS_DIR across sessions.
+
+Tolerances (see [Note: matching torch rounding] in csrc/adam/adam_kernel.h): fp32 parameters
+agree with torch.optim.AdamW(foreach=False) to rtol 1e-6 / atol 1e-6 after 20 steps (sqrt
+may differ by an ulp), states to rtol 1e-6 / atol 1e-7; bf16 / fp16 parameters agree with
+fp32 AdamW rounded to the dtype after every step to one ulp of the dtype; copies written in
+the step's pass equal `param.to(dtype)` bitwise.
 """
 
 import copy
+import os
 import subprocess
 import sys
 
@@ -15,7 +22,8 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.ops.adam.cpu_adam import torch_adam_update
 from deepspeed.ops.op_builder import ALL_OPS, CPUAdamBuilder, builder
 
-SIZES = (1, 7, 1023, 100003)
+SIZES = (1, 7, 1023, 100003)  # odd sizes: every vector width leaves a tail; 100003 spans 2 threads
+ISAS = ("avx512", "avx2", "neon", "scalar")
 STEPS = 20
 NATIVE = ALL_OPS["cpu_adam"].is_compatible()
 needs_native = pytest.mark.skipif(not NATIVE, reason="cpu_adam cannot be built here (no compiler or ninja)")
@@ -51,6 +59,110 @@ def no_native(monkeypatch):
     monkeypatch.setitem(ALL_OPS, "cpu_adam", IncompatibleBuilder())
 
 
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each vector path in turn (skipped where this CPU or build lacks it), two threads."""
+    if not NATIVE:
+        pytest.skip("cpu_adam cannot be built here")
+    op = ALL_OPS["cpu_adam"].load()
+    if request.param not in op.available_isas():
+        pytest.skip(f"{request.param} is not available here (available: {op.available_isas()})")
+    previous, threads = op.set_isa(request.param), torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield request.param
+    op.set_isa(previous)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no_decay", "decay"])
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam_l2"])
+def test_each_vector_path_matches_torch_fp32(isa, adamw_mode, weight_decay):
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+    params, ref_params = make_params(), make_params()
+    opt = DeepSpeedCPUAdam(params, adamw_mode=adamw_mode, **kwargs)
+    ref = (torch.optim.AdamW if adamw_mode else torch.optim.Adam)(ref_params, foreach=False, **kwargs)
+    assert opt.uses_native and opt._native.isa() == isa
+    run_steps(opt, params)
+    run_steps(ref, ref_params)
+    assert_parity(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no_decay", "decay"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_each_vector_path_matches_torch_low_precision(isa, dtype, weight_decay):
+    """bf16/fp16 params, fp32 states: AdamW in fp32 with the param rounded after each step."""
+    kwargs = dict(lr=1e-2, weight_decay=weight_decay)
+    params = make_params(dtype)
+    ref_params = [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = DeepSpeedCPUAdam(params, **kwargs)
+    ref = torch.optim.AdamW(ref_params, foreach=False, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        for p, q in zip(params, ref_params):
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            q.grad = p.grad.float()
+        opt.step()
+        ref.step()
+        with torch.no_grad():
+            for q in ref_params:
+                q.copy_(q.to(dtype))
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    for p, q in zip(params, ref_params):
+        assert p.dtype == dtype and opt.state[p]["exp_avg"].dtype == torch.float32
+        torch.testing.assert_close(p.float(), q.detach(), rtol=ulp, atol=1e-6)
+        torch.testing.assert_close(
+            opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-7
+        )
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
+def test_each_vector_path_writes_copies_in_the_pass(isa, dtype):
+    params = make_params()
+    opt = DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1)
+    copies = [torch.empty(p.shape, dtype=dtype) for p in params]
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape) * 10.0 ** (step - 1)
+        opt.step(fp16_param_groups=[copies])
+        for p, c in zip(params, copies):
+            assert torch.equal(c, p.detach().to(dtype))  # round to nearest even, bitwise
+
+
+def test_each_vector_path_takes_low_precision_grads(isa):
+    """fp32 master params with bf16 grads (the op widens them in its pass), one call for all."""
+    op = ALL_OPS["cpu_adam"].load()
+    params, ref_params = [p.detach() for p in make_params()], make_params()
+    states = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 6):
+        grads = [torch.randn(p.shape, generator=gen).to(torch.bfloat16) for p in params]
+        for q, g in zip(ref_params, grads):
+            q.grad = g.float()
+        m, v = zip(*states)
+        op.adam_step(params, grads, m, v, [], [step] * len(params), 1e-2, 0.9, 0.999, 1e-8, 0.0, True, True)
+        ref.step()
+    for p, q, (m, v) in zip(params, ref_params, states):
+        torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(m, ref.state[q]["exp_avg"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(v, ref.state[q]["exp_avg_sq"], rtol=1e-6, atol=1e-7)
+
+
+@needs_native
+def test_isa_can_be_forced_by_the_environment():
+    code = (
+        "from deepspeed.ops.op_builder import ALL_OPS; op = ALL_OPS['cpu_adam'].load(); "
+        "assert op.isa() == 'scalar', op.isa(); print(op.available_isas())"
+    )
+    env = {**os.environ, "DS_CPU_ADAM_ISA": "scalar"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    op = ALL_OPS["cpu_adam"].load()
+    with pytest.raises(RuntimeError, match="not available on this CPU; choose one of"):
+        op.set_isa("no_such_isa")
+
+
 @pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam_l2"])
 @pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.95)], ids=["default_betas", "small_beta1"])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch_fallback"])
@@ -80,13 +192,13 @@ def test_native_op_is_loaded_and_used(monkeypatch):
     real = opt._native
 
     class Spy:
-        def adam_update(self, *args):
-            calls.append(args[4])  # the step count
-            real.adam_update(*args)
+        def adam_step(self, *args):
+            calls.append(list(args[5]))  # the step counts: one call per param group
+            real.adam_step(*args)
 
     monkeypatch.setattr(opt, "_native", Spy())
     run_steps(opt, [p for g in opt.param_groups for p in g["params"]], steps=2)
-    assert calls == [1] * len(SIZES) + [2] * len(SIZES)
+    assert calls == [[1] * len(SIZES), [2] * len(SIZES)]
 
 
 def test_without_bias_correction_matches_reference(no_native):
@@ -232,8 +344,9 @@ class BrokenBuilder(CPUAdamBuilder):
 def test_failed_build_names_the_op_and_the_log(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     (tmp_path / "adam").mkdir()
-    (tmp_path / "adam" / "cpu_adam.cpp").write_text("this is not C++\n")
     broken = BrokenBuilder(tmp_path)
+    for src in broken.sources():
+        (tmp_path / src).write_text("this is not C++\n")
     assert not broken.is_built()
     with pytest.raises(RuntimeError, match="ds_test_broken_op") as info:
         broken.load()

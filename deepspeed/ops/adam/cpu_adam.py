@@ -11,7 +11,7 @@ import torch
 
 from deepspeed.ops.op_builder import ALL_OPS
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Bumps a tensor's autograd version counter, as an in-place torch op would (torch >= 2.1).
 _increment_version = getattr(torch.autograd.graph, "increment_version", None)
 
@@ -64,19 +64,55 @@ def torch_adam_update(
         param.copy_(master)
 
 
+def _native_ok(param: torch.Tensor, state: dict[str, Any]) -> bool:
+    """Whether the native op takes this parameter and its states as they are."""
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    return (
+        param.dtype in _NATIVE_DTYPES
+        and param.is_contiguous()
+        and exp_avg.dtype == torch.float32
+        and exp_avg_sq.dtype == torch.float32
+        and exp_avg.is_contiguous()
+        and exp_avg_sq.is_contiguous()
+        and exp_avg.device.type == "cpu"
+        and exp_avg_sq.device.type == "cpu"
+    )
+
+
+def _native_grad(param: torch.Tensor) -> torch.Tensor:
+    """The gradient as the op takes it: contiguous, fp32 or the parameter's own dtype."""
+    grad = param.grad.detach()
+    if grad.dtype not in (torch.float32, param.dtype):
+        grad = grad.to(torch.float32)
+    return grad.contiguous().view(param.shape)
+
+
+def _fusable_copy(param: torch.Tensor, copy: torch.Tensor) -> bool:
+    """Whether the op can write `copy` in the step's own pass (fp32 master to a dense CPU copy)."""
+    return (
+        param.dtype == torch.float32
+        and copy.dtype in _NATIVE_DTYPES
+        and copy.device.type == "cpu"
+        and copy.is_contiguous()
+        and copy.numel() == param.numel()
+    )
+
+
 class DeepSpeedCPUAdam(torch.optim.Optimizer):
     """Adam (``adamw_mode=False``, L2 weight decay) or AdamW (decoupled weight decay) on CPU.
 
-    The step runs the native ``cpu_adam`` op (``deepspeed.ops.op_builder.ALL_OPS``), which
-    fuses the whole update into one OpenMP-parallel pass over each parameter. The op is
+    The step runs the native ``cpu_adam`` op (``deepspeed.ops.op_builder.ALL_OPS``): one call
+    per param group, which makes one vectorised (AVX-512, AVX2, NEON or scalar, whichever
+    the CPU has), OpenMP-parallel pass over each parameter, its gradient and states. The op is
     compiled on first use (about a minute on two cores) and cached in
     ``$TORCH_EXTENSIONS_DIR``. When it cannot be built on this machine (no C++ compiler or
     ninja, or a failed build), the optimizer logs one warning and runs the same update as
     in-place torch ops instead; both follow torch.optim.Adam's order of operations, so the
     results agree with it to float rounding. ``uses_native`` says which path is active.
 
-    fp32 parameters use the native op directly. fp16/bf16 parameters keep fp32 states when
-    ``fp32_optimizer_states`` (the default), are upcast for the update and written back.
+    fp16/bf16 parameters keep fp32 states when ``fp32_optimizer_states`` (the default): the
+    op reads the low-precision value, updates it in fp32 and rounds it back in the same pass.
+    ``step(fp16_param_groups=...)`` copies of fp32 parameters are written in that pass too.
     Parameters must be on the CPU; use ``"offload_optimizer": {"device": "cpu"}`` in the
     ZeRO config, or torch.optim.AdamW for accelerator parameters.
     """
@@ -134,10 +170,11 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
     def step(
         self, closure: Optional[Callable[[], Any]] = None, fp16_param_groups: Optional[list[Any]] = None
     ) -> Any:
-        """One update of every parameter that has a gradient.
+        """One update of every parameter that has a gradient: one native call per param group.
 
         ``fp16_param_groups`` (optional, one list or tensor per param group): low-precision
-        copies that receive the updated values, as the old DeepSpeed API allowed.
+        copies that receive the updated values, as the old DeepSpeed API allowed. The native
+        op writes them in the same pass as the update.
         """
         loss = None
         if closure is not None:
@@ -145,9 +182,9 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
                 loss = closure()
         copies = self._copy_targets(fp16_param_groups)
         for group, group_copies in zip(self.param_groups, copies):
-            for param, copy in zip(group["params"], group_copies):
-                if param.grad is not None:
-                    self._step_param(param, group, copy)
+            batch = [(p, c) for p, c in zip(group["params"], group_copies) if p.grad is not None]
+            if batch:
+                self._step_group(group, batch)
         return loss
 
     def _copy_targets(self, fp16_param_groups: Optional[list[Any]]) -> list[list[Optional[torch.Tensor]]]:
@@ -164,20 +201,11 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             )
         return targets
 
-    def _step_param(self, param: torch.Tensor, group: dict[str, Any], copy: Optional[torch.Tensor]) -> None:
-        if param.device.type != "cpu":
-            raise ValueError(
-                f"DeepSpeedCPUAdam: a parameter is on {param.device}, but it must be on the CPU; "
-                'enable "offload_optimizer": {"device": "cpu"} in the ZeRO config, or use '
-                "torch.optim.AdamW for accelerator parameters"
-            )
-        if param.grad.is_sparse:
-            raise RuntimeError("DeepSpeedCPUAdam does not support sparse gradients")
-        state = self._init_state(param)
-        state["step"] += 1
+    def _step_group(
+        self, group: dict[str, Any], batch: list[tuple[torch.Tensor, Optional[torch.Tensor]]]
+    ) -> None:
         beta1, beta2 = group["betas"]
-        args = (
-            state["step"],
+        hyper = (
             float(group["lr"]),
             float(beta1),
             float(beta2),
@@ -186,35 +214,59 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             bool(group.get("bias_correction", True)),
             self.adamw_mode,
         )
-        if not self._run_native(param, state, args):
-            torch_adam_update(param, param.grad, state["exp_avg"], state["exp_avg_sq"], *args)
-        if copy is not None:
-            copy.copy_(param.detach().view_as(copy))
+        native: list[tuple[torch.Tensor, dict[str, Any], Optional[torch.Tensor]]] = []
+        for param, copy in batch:
+            self._check_param(param)
+            state = self._init_state(param)
+            state["step"] += 1
+            if self._native is not None and _native_ok(param, state):
+                native.append((param, state, copy))
+                continue
+            torch_adam_update(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *hyper)
+            if copy is not None:
+                copy.copy_(param.detach().view_as(copy))
+        if native:
+            self._run_native(native, hyper)
 
-    def _run_native(self, param: torch.Tensor, state: dict[str, Any], args: tuple) -> bool:
-        """Run the native op when it and these tensors allow it; False means use torch."""
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        native_ok = (
-            self._native is not None
-            and param.is_contiguous()
-            and exp_avg.dtype == torch.float32
-            and exp_avg_sq.dtype == torch.float32
-            and exp_avg.is_contiguous()
-            and exp_avg_sq.is_contiguous()
-            and exp_avg.device.type == "cpu"
-            and exp_avg_sq.device.type == "cpu"
+    @staticmethod
+    def _check_param(param: torch.Tensor) -> None:
+        if param.device.type != "cpu":
+            raise ValueError(
+                f"DeepSpeedCPUAdam: a parameter is on {param.device}, but it must be on the CPU; "
+                'enable "offload_optimizer": {"device": "cpu"} in the ZeRO config, or use '
+                "torch.optim.AdamW for accelerator parameters"
+            )
+        if param.grad.is_sparse:
+            raise RuntimeError("DeepSpeedCPUAdam does not support sparse gradients")
+
+    def _run_native(
+        self, items: list[tuple[torch.Tensor, dict[str, Any], Optional[torch.Tensor]]], hyper: tuple
+    ) -> None:
+        """One native call for the group; copies the op cannot write are filled afterwards."""
+        params, grads, outs, late = [], [], [], []
+        for param, _, copy in items:
+            params.append(param.detach())
+            grads.append(_native_grad(param))
+            fused = copy is not None and _fusable_copy(param, copy)
+            outs.append(copy.detach().view(param.shape) if fused else None)
+            if copy is not None and not fused:
+                late.append((param, copy))
+        self._native.adam_step(
+            params,
+            grads,
+            [state["exp_avg"] for _, state, _ in items],
+            [state["exp_avg_sq"] for _, state, _ in items],
+            outs if any(o is not None for o in outs) else [],
+            [state["step"] for _, state, _ in items],
+            *hyper,
         )
-        if not native_ok or param.dtype not in (torch.float32, *_LOW_PRECISION):
-            return False
-        grad = param.grad.to(torch.float32).contiguous()
-        if param.dtype == torch.float32:
-            self._native.adam_update(param.detach(), grad, exp_avg, exp_avg_sq, *args)
-        else:  # update an fp32 copy, written back to the low-precision param in the same pass
-            master = param.detach().to(torch.float32)
-            self._native.adam_update_copy(master, grad, exp_avg, exp_avg_sq, param.detach(), *args)
-        if _increment_version is not None:  # the kernel wrote through a raw pointer
-            _increment_version(param)
-        return True
+        if _increment_version is not None:  # the kernel wrote through raw pointers
+            _increment_version([param for param, _, _ in items])
+            copies = [o for o in outs if o is not None]
+            if copies:
+                _increment_version(copies)
+        for param, copy in late:
+            copy.copy_(param.detach().view_as(copy))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then exp_avg / exp_avg_sq restored to fp32 when the states are fp32.

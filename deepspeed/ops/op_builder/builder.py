@@ -79,6 +79,10 @@ class OpBuilder:
         """Source files, relative to the csrc directory."""
         raise NotImplementedError
 
+    def headers(self) -> list[str]:
+        """Headers the sources include, relative to the csrc directory (part of the fingerprint)."""
+        return []
+
     def include_paths(self) -> list[str]:
         """Include directories, relative to the csrc directory."""
         return []
@@ -165,9 +169,10 @@ class OpBuilder:
 
         digest = hashlib.sha256(f"{torch.__version__}|{sys.version}".encode())
         root = self.csrc_root()
-        for src in self.sources():
+        for src in self.sources() + self.headers():
+            path = root / src if root is not None else None
             digest.update(src.encode())
-            digest.update((root / src).read_bytes() if root is not None else b"missing")
+            digest.update(path.read_bytes() if path is not None and path.is_file() else b"missing")
         for part in (self.cxx_args(), self.extra_ldflags(), self.include_paths()):
             digest.update(repr(part).encode())
         return digest.hexdigest()

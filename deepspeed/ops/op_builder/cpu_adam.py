@@ -1,10 +1,15 @@
-"""Builder for the fused CPU Adam/AdamW kernel (`csrc/adam/cpu_adam.cpp`)."""
+"""Builder for the fused CPU Adam/AdamW kernel (`csrc/adam/`).
+
+One library holds every vector path (AVX-512, AVX2, NEON, scalar), each compiled for its
+own instruction set with a per-function target attribute; the library picks the widest one
+the CPU supports when it loads (``DS_CPU_ADAM_ISA`` overrides, ``set_isa`` switches).
+"""
 
 from deepspeed.ops.op_builder.builder import OpBuilder
 
 
 class CPUAdamBuilder(OpBuilder):
-    """The `cpu_adam` op: `adam_update` and `adam_update_copy` on fp32 CPU tensors."""
+    """The `cpu_adam` op: `adam_step` (a whole param group per call) and friends."""
 
     NAME = "cpu_adam"
 
@@ -12,4 +17,13 @@ class CPUAdamBuilder(OpBuilder):
         return f"deepspeed.ops.adam.{self.NAME}_op"
 
     def sources(self) -> list[str]:
-        return ["adam/cpu_adam.cpp"]
+        return [
+            "adam/cpu_adam.cpp",
+            "adam/adam_avx512.cpp",
+            "adam/adam_avx2.cpp",
+            "adam/adam_neon.cpp",
+            "adam/adam_scalar.cpp",
+        ]
+
+    def headers(self) -> list[str]:
+        return ["adam/adam_span.h", "adam/adam_kernel.h"]
