@@ -14,10 +14,37 @@ from pathlib import Path
 MB = 2**20
 PEERS = (("ours", "ours_s"), ("upstream", "upstream_deepspeed_s"), ("fsdp2", "fsdp2_s"))
 PEERS += (("ddp", "ddp_s"), ("single", "single_s"))
+# ZeRO stages 1 and 2: ours and upstream's same stage, timed beside DDP.
+STAGE_PEERS = (("ours Z1", "ours_stage1_s"), ("upstream Z1", "upstream_stage1_s"))
+STAGE_PEERS += (("ours Z2", "ours_stage2_s"), ("upstream Z2", "upstream_stage2_s"))
 # (label, how to read the measured value, target, lower-is-better bound)
 TARGETS = (
     ("train step ours / upstream (decoder fp32)", ("train_step", "ratio_vs_upstream"), 0.8),
     ("train step ours / FSDP2 (decoder fp32)", ("train_step", "ratio_vs_fsdp2"), 1.0),
+    ("train step ZeRO-1 ours / DDP (decoder fp32)", ("train_step", "stage1_ratio_vs_ddp"), 1.05),
+    ("train step ZeRO-2 ours / DDP (decoder fp32)", ("train_step", "stage2_ratio_vs_ddp"), 1.05),
+    (
+        "train step ZeRO-1 ours / upstream ZeRO-1 (decoder fp32)",
+        ("train_step", "stage1_ratio_vs_upstream"),
+        0.8,
+    ),
+    (
+        "train step ZeRO-2 ours / upstream ZeRO-2 (decoder fp32)",
+        ("train_step", "stage2_ratio_vs_upstream"),
+        0.8,
+    ),
+    ("train step ZeRO-1 ours / DDP (worst case)", ("train_step", "stage1_ratio_vs_ddp_worst"), 1.05),
+    ("train step ZeRO-2 ours / DDP (worst case)", ("train_step", "stage2_ratio_vs_ddp_worst"), 1.05),
+    (
+        "train step ZeRO-1 ours / upstream ZeRO-1 (worst case)",
+        ("train_step", "stage1_ratio_vs_upstream_worst"),
+        0.8,
+    ),
+    (
+        "train step ZeRO-2 ours / upstream ZeRO-2 (worst case)",
+        ("train_step", "stage2_ratio_vs_upstream_worst"),
+        0.8,
+    ),
     ("gather start/stop / raw all-gather (P=100)", ("gather", "ratio_vs_raw_allgather"), 1.1),
     ("gather start/stop / with (P=100)", ("gather", "start_stop_vs_with"), 1.02),
     ("init peak RSS / ideal (max over ws, ranks)", ("init", "peak_rss_ratio_to_ideal"), 1.1),
@@ -76,6 +103,30 @@ def train_table(train: dict) -> str:
     return "\n".join(lines)
 
 
+def stage_table(train: dict) -> str:
+    """ZeRO stages 1 and 2, ours and upstream, beside DDP (wall ratios, then CPU-time ratios)."""
+    head = "| case | DDP s | " + " | ".join(f"{p} s" for p, _ in STAGE_PEERS)
+    head += " | Z1/DDP | Z2/DDP | Z1/upstream Z1 | Z2/upstream Z2 | CPU Z1/DDP | CPU Z2/DDP |"
+    lines = [head, "|" + "---|" * (len(STAGE_PEERS) + 8)]
+    notes = []
+    for name, case in train["cases"].items():
+        cells = [_fmt(case["ddp_s"])] + [_fmt(case.get(key)) for _, key in STAGE_PEERS]
+        cells += [_fmt(case.get(k), ".2f") for k in STAGE_RATIO_KEYS]
+        cells += [_fmt(case.get("cpu_" + k), ".2f") for k in STAGE_RATIO_KEYS[:2]]
+        lines.append(f"| {name.replace('_', ', ')} | " + " | ".join(cells) + " |")
+        for impl, reason in (case.get("error_reasons") or {}).items():
+            notes.append(f"- {name.replace('_', ', ')}: {impl} could not run: `{reason}`")
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+STAGE_RATIO_KEYS = (
+    "stage1_ratio_vs_ddp",
+    "stage2_ratio_vs_ddp",
+    "stage1_ratio_vs_upstream",
+    "stage2_ratio_vs_upstream",
+)
+
+
 def gather_table(gather: dict) -> str:
     lines = [
         "| P | MB | start/stop ms | with ms | raw all-gather ms | upstream with ms | start_stop/raw | ours/upstream with |",
@@ -104,17 +155,46 @@ def init_table(init: dict) -> str:
 
 def scaling_table(cases: dict) -> str:
     lines = [
-        "| world size | ours s | FSDP2 s | ours MB/rank | FSDP2 MB/rank | ideal 16 B/param / N, MB |",
-        "|---|---|---|---|---|---|",
+        "| world size | ours Z3 s | FSDP2 s | ours Z1 s | ours Z2 s | ours Z3 MB/rank | FSDP2 MB/rank "
+        "| ideal 16 B/param / N, MB | ours Z1 MB/rank | ours Z2 MB/rank | ideal 4 + 12/N B/param, MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def mb(value) -> str:
+        return _fmt(value and value / MB, ".1f")
+
     for ws, case in cases.items():
-        ours_mb = case["ours_state_bytes_per_rank"]
-        fsdp_mb = case["fsdp2_state_bytes_per_rank"]
         lines.append(
-            f"| {ws} | {_fmt(case['ours_s'])} | {_fmt(case['fsdp2_s'])} | {_fmt(ours_mb and ours_mb / MB, '.1f')} | "
-            f"{_fmt(fsdp_mb and fsdp_mb / MB, '.1f')} | {case['ideal_zero3_bytes_per_rank'] / MB:.1f} |"
+            f"| {ws} | {_fmt(case['ours_s'])} | {_fmt(case['fsdp2_s'])} | {_fmt(case.get('ours_stage1_s'))} | "
+            f"{_fmt(case.get('ours_stage2_s'))} | {mb(case['ours_state_bytes_per_rank'])} | "
+            f"{mb(case['fsdp2_state_bytes_per_rank'])} | {case['ideal_zero3_bytes_per_rank'] / MB:.1f} | "
+            f"{mb(case.get('ours_stage1_state_bytes_per_rank'))} | {mb(case.get('ours_stage2_state_bytes_per_rank'))} | "
+            f"{mb(case.get('ideal_zero12_bytes_per_rank'))} |"
         )
     return "\n".join(lines)
+
+
+def _by_device(values) -> str:
+    if not values:
+        return "null"
+    return ", ".join(f"{device} {n / MB:.1f} MB" for device, n in sorted(values.items()))
+
+
+def offload_text(off: dict) -> str:
+    """ZeRO-2 + offload_optimizer: live and optimizer bytes by device (rank 0), and what they show."""
+    on_accel = off["optimizer_bytes_on_accelerator"]
+    return "\n".join(
+        [
+            f"- world size {off['world_size']}, accelerator `{off['accelerator']}`; step {_fmt(off.get('step_s'))} s",
+            f"- live tensor bytes by device, with offload: {_by_device(off['live_bytes_by_device'])}; "
+            f"plain ZeRO-2: {_by_device(off.get('plain_stage2_live_bytes_by_device'))}",
+            f"- optimizer (masters, their grads, Adam state) by device, with offload: "
+            f"{_by_device(off['optimizer_bytes_by_device'])}; plain ZeRO-2: "
+            f"{_by_device(off.get('plain_stage2_optimizer_bytes_by_device'))}",
+            f"- optimizer bytes on the accelerator: "
+            f"{'not measurable here' if on_accel is None else f'{on_accel / MB:.1f} MB'} ({off['note']})",
+        ]
+    )
 
 
 def markdown(report: dict) -> str:
@@ -128,6 +208,11 @@ def markdown(report: dict) -> str:
     ]
     sections = (
         ("train_step", "Train step, 2 ranks, median s per step", train_table),
+        (
+            "train_step",
+            "ZeRO stages 1 and 2 beside DDP (same rounds), 2 ranks, median s per step",
+            stage_table,
+        ),
         ("gather", "GatheredParameters, 2 ranks, median ms", gather_table),
         ("init", "Peak RSS under Init (default malloc)", init_table),
         (
@@ -135,8 +220,15 @@ def markdown(report: dict) -> str:
             "Scaling, decoder fp32: step s and live tensor MB per rank",
             lambda s: scaling_table(s["cases"]),
         ),
+        (
+            "scaling",
+            "Optimizer offload (ZeRO-2 + offload_optimizer cpu), rank 0",
+            lambda s: offload_text(s["offload"]),
+        ),
     )
     for key, title, fn in sections:
+        if key == "scaling" and "offload" in title and not (report.get("scaling") or {}).get("offload"):
+            continue
         if report.get(key):
             parts.append(f"**{title}**\n\n{fn(report[key])}")
     return "\n\n".join(parts) + "\n"
@@ -160,9 +252,10 @@ def write_all(report: dict, out_dir: Path) -> None:
 
 def _plot_train(ax, train: dict) -> None:
     names = list(train["cases"])
-    width = 0.8 / len(PEERS)
-    for i, (peer, key) in enumerate(PEERS):
-        values = [train["cases"][n][key] or 0.0 for n in names]
+    peers = PEERS + STAGE_PEERS
+    width = 0.8 / len(peers)
+    for i, (peer, key) in enumerate(peers):
+        values = [train["cases"][n].get(key) or 0.0 for n in names]
         ax.bar([x + i * width for x in range(len(names))], values, width, label=peer)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], [n.replace("_", "\n") for n in names])
     ax.set_ylabel("median s / step")
@@ -205,21 +298,30 @@ def _plot_init(ax, init: dict) -> None:
 def _plot_scaling(ax, scaling: dict) -> None:
     cases = scaling["cases"]
     sizes = [int(ws) for ws in cases]
-    for key, label, color in (("ours_s", "ours step s", "C0"), ("fsdp2_s", "FSDP2 step s", "C1")):
-        values = [cases[str(ws)][key] or float("nan") for ws in sizes]
+    for key, label, color in (
+        ("ours_s", "ours Z3 step s", "C0"),
+        ("fsdp2_s", "FSDP2 step s", "C1"),
+        ("ours_stage1_s", "ours Z1 step s", "C2"),
+        ("ours_stage2_s", "ours Z2 step s", "C3"),
+    ):
+        values = [cases[str(ws)].get(key) or float("nan") for ws in sizes]
         ax.plot(sizes, values, marker="o", color=color, label=label)
     ax.set_xlabel("world size")
     ax.set_ylabel("median s / step")
     ax.set_xticks(sizes)
     right = ax.twinx()
     for key, label, color in (
-        ("ours_state_bytes_per_rank", "ours MB/rank", "C0"),
+        ("ours_state_bytes_per_rank", "ours Z3 MB/rank", "C0"),
         ("fsdp2_state_bytes_per_rank", "FSDP2 MB/rank", "C1"),
+        ("ours_stage1_state_bytes_per_rank", "ours Z1 MB/rank", "C2"),
+        ("ours_stage2_state_bytes_per_rank", "ours Z2 MB/rank", "C3"),
     ):
-        values = [(cases[str(ws)][key] or float("nan")) / MB for ws in sizes]
+        values = [(cases[str(ws)].get(key) or float("nan")) / MB for ws in sizes]
         right.plot(sizes, values, linestyle="--", marker="s", color=color, label=label)
     ideal = [cases[str(ws)]["ideal_zero3_bytes_per_rank"] / MB for ws in sizes]
     right.plot(sizes, ideal, ":", color="grey", label="16 B/param / N")
+    ideal12 = [(cases[str(ws)].get("ideal_zero12_bytes_per_rank") or float("nan")) / MB for ws in sizes]
+    right.plot(sizes, ideal12, "-.", color="grey", label="4 + 12/N B/param")
     right.set_ylabel("live tensor MB per rank")
     lines = ax.get_legend_handles_labels()
     more = right.get_legend_handles_labels()
@@ -250,7 +352,7 @@ def plot(report: dict, path: Path) -> bool:
         else:
             ax.set_title(f"{key}: not run")
     fig.suptitle(
-        f"ZeRO-3 benchmarks {report['date']} ({report['machine']['cpu_model']}, {report['machine']['cores']} cores)"
+        f"ZeRO benchmarks {report['date']} ({report['machine']['cpu_model']}, {report['machine']['cores']} cores)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=90)

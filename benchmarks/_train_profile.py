@@ -1,4 +1,4 @@
-"""Wall-clock timers around our ZeRO-3 engine's functions, for bench_train_step.py --profile.
+"""Wall-clock timers around our ZeRO engine's functions, for bench_train_step.py --profile.
 
 `install()` wraps a fixed list of functions of `deepspeed` (ours: it must be imported after
 the process group exists and before `deepspeed.initialize`, because the hooks bind methods
@@ -43,6 +43,19 @@ _TARGETS = (
     ("deepspeed.runtime.zero.gather", "_GatherBucket", "wait", "gather: bucket wait"),
     ("deepspeed.runtime.zero.gather", "", "refresh_gathered", "step: refresh persistent"),
     ("deepspeed.runtime.zero.grad_reducer", "GradientReducer", "add", "grad: reducer.add"),
+    (
+        "deepspeed.runtime.zero.grad_reducer",
+        "GradientReducer",
+        "_complete",
+        "grad: wait + add into fp32 shard",
+    ),
+    ("deepspeed.runtime.zero.grad_reducer", "GradientReducer", "flush", "grad: reducer.flush"),
+    # Stages 1 and 2 (replicated parameters): the step-time reduction (stage 1) and the
+    # all-gather of the updated slices back into the full parameters.
+    ("deepspeed.runtime.engine", "", "reduce_accumulated_grads", "z1: reduce accumulated grads"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "_refresh_full_params", "z12: refresh full params"),
+    ("deepspeed.runtime.zero.gather", "", "gather_into_params", "z12: gather_into_params"),
+    ("deepspeed.runtime.zero.gather", "", "_gather_chunk_into_params", "z12: copy full -> param.data"),
     ("deepspeed.runtime.zero.grad_reducer", "GradientReducer", "_reduce", "grad: pack+reduce+accumulate"),
     ("deepspeed.runtime.zero.stage3", "ZeroStage3Optimizer", "step", "optim: ZeRO step"),
     ("deepspeed.runtime.zero.stage3", "ZeroStage3Optimizer", "_global_norm", "optim: global grad norm"),

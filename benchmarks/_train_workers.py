@@ -14,13 +14,17 @@ Protocol: after building the model and `warmup` untimed steps the worker prints 
 of the process CPU time, all threads, which other jobs on the machine barely change); `{"cmd": "profile", "steps": N}`
 does the same under cProfile (and `_train_profile`'s timers when started with
 `--instrument`); `{"cmd": "memory"}` reports every rank's live tensor bytes between steps
-(`live_tensor_bytes`); `{"cmd": "quit"}` ends it. Other stdout lines (library logs) are ignored by
+(`live_tensor_bytes`), and rank 0's split by device, in all and for the optimizer's own
+tensors (masters, their gradients, its state); `{"cmd": "quit"}` ends it. Implementations
+`ours_z1` / `upstream_z1` / `ours_z2` / `upstream_z2` run ZeRO stage 1 or 2 with the same
+config, `ours_z2_off` stage 2 with `offload_optimizer: {device: cpu}`. Other stdout lines (library logs) are ignored by
 the controller. Idle groups block on stdin, so they take no CPU from the group being timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -124,24 +128,38 @@ def make_batches(spec: dict, rank: int, count: int = 4) -> list:
 # ----------------------------------------------------------------------------- implementations
 
 
-def ds_config(spec: dict) -> dict:
-    """The one config both ours and upstream DeepSpeed get (upstream key names)."""
+def ds_config(spec: dict, stage: int = 3, offload: bool = False) -> dict:
+    """The one config both ours and upstream DeepSpeed get (upstream key names).
+
+    Stage 3 gets the stage-3 sizes; stages 1 and 2 the same `reduce_bucket_size` and
+    `allgather_bucket_size` (elements). `offload` puts the optimizer on the CPU
+    (`offload_optimizer: {device: cpu}`), which steps with DeepSpeedCPUAdam as upstream requires.
+    """
     zero = {
-        "stage": 3,
+        "stage": stage,
         "reduce_bucket_size": spec["reduce_bucket_size"],
-        "stage3_prefetch_bucket_size": spec["prefetch_bucket_size"],
-        "stage3_param_persistence_threshold": spec["persistence_threshold"],
-        "stage3_max_live_parameters": int(1e9),
-        "stage3_max_reuse_distance": int(spec.get("max_reuse_distance", 1e9)),
         "overlap_comm": True,
         "contiguous_gradients": True,
     }
+    if stage == 3:
+        zero.update(
+            stage3_prefetch_bucket_size=spec["prefetch_bucket_size"],
+            stage3_param_persistence_threshold=spec["persistence_threshold"],
+            stage3_max_live_parameters=int(1e9),
+            stage3_max_reuse_distance=int(spec.get("max_reuse_distance", 1e9)),
+        )
+    else:
+        zero["allgather_bucket_size"] = spec.get("allgather_bucket_size", spec["reduce_bucket_size"])
+    adam = {"lr": 1e-3, "torch_adam": True}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        adam = {"lr": 1e-3}  # DeepSpeedCPUAdam
     cfg = {
         "train_micro_batch_size_per_gpu": spec["batch"],
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": adam},
         "zero_optimization": zero,
     }
     if spec["dtype"] == "bf16":
@@ -149,10 +167,14 @@ def ds_config(spec: dict) -> dict:
     return cfg
 
 
-def setup_deepspeed(model: nn.Module, spec: dict):
+ENGINE: list = []  # the DeepSpeed engine of this process, for the memory report
+
+
+def setup_deepspeed(model: nn.Module, spec: dict, stage: int = 3, offload: bool = False):
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config(spec))
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config(spec, stage, offload))
+    ENGINE.append(engine)
     # DeepSpeed engines do not cast inputs: a bf16 model takes bf16 activations.
     input_dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
 
@@ -164,7 +186,10 @@ def setup_deepspeed(model: nn.Module, spec: dict):
         engine.step()
         return loss
 
-    return step, {"deepspeed_version": deepspeed.__version__, "deepspeed_file": deepspeed.__file__}
+    info = {"deepspeed_version": deepspeed.__version__, "deepspeed_file": deepspeed.__file__}
+    info["zero_stage"] = stage
+    info["offload_optimizer"] = offload
+    return step, info
 
 
 def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, autocast: bool):
@@ -210,6 +235,12 @@ def setup_single(model: nn.Module, spec: dict):
 SETUPS = {
     "ours": setup_deepspeed,
     "upstream": setup_deepspeed,
+    # ZeRO stages 1 and 2 (same config otherwise); "_off": offload_optimizer to the CPU.
+    "ours_z1": functools.partial(setup_deepspeed, stage=1),
+    "upstream_z1": functools.partial(setup_deepspeed, stage=1),
+    "ours_z2": functools.partial(setup_deepspeed, stage=2),
+    "upstream_z2": functools.partial(setup_deepspeed, stage=2),
+    "ours_z2_off": functools.partial(setup_deepspeed, stage=2, offload=True),
     "fsdp2": setup_fsdp2,
     "ddp": setup_ddp,
     "single": setup_single,
@@ -291,14 +322,8 @@ def profile_steps(runner: Runner, steps: int, rank: int, instrument, use_cprofil
     return out
 
 
-def live_tensor_bytes() -> int:
-    """Bytes of every distinct tensor storage alive in this process (found through `gc`).
-
-    Called between steps, this is what a rank keeps for training: its parameters (or their
-    shards), gradients it keeps, optimizer state, flat buffers, plus the few small batches.
-    Storages are counted once however many views share them; wrapper tensors without a
-    storage of their own (DTensor) are skipped, their local shard is counted.
-    """
+def _live_storages() -> dict:
+    """`data_ptr -> (nbytes, device type)` of every distinct tensor storage alive (through `gc`)."""
     import gc
     import warnings
 
@@ -310,20 +335,82 @@ def live_tensor_bytes() -> int:
         try:
             storage = tensor.untyped_storage()
             if storage.device.type != "meta" and storage.nbytes():
-                seen[storage.data_ptr()] = storage.nbytes()
+                seen[(storage.device.type, storage.data_ptr())] = (storage.nbytes(), storage.device.type)
         except (RuntimeError, NotImplementedError, TypeError):
             continue  # a wrapper or fake tensor without storage of its own
-    return sum(seen.values())
+    return seen
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process (found through `gc`).
+
+    Called between steps, this is what a rank keeps for training: its parameters (or their
+    shards), gradients it keeps, optimizer state, flat buffers, plus the few small batches.
+    Storages are counted once however many views share them; wrapper tensors without a
+    storage of their own (DTensor) are skipped, their local shard is counted.
+    """
+    return sum(n for n, _ in _live_storages().values())
+
+
+def live_bytes_by_device() -> dict:
+    """`live_tensor_bytes()` split by the device type the storages live on."""
+    out: dict = {}
+    for n, device in _live_storages().values():
+        out[device] = out.get(device, 0) + n
+    return out
+
+
+def optimizer_bytes_by_device() -> dict:
+    """The optimizer's own tensors (the masters it steps, their gradients, its state) by device.
+
+    Read from the DeepSpeed engine's optimizer (its `param_groups` hold the fp32 masters, its
+    `state` the moments); empty for the torch baselines.
+    """
+    if not ENGINE:
+        return {}
+    opt = ENGINE[0].optimizer
+    tensors = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            tensors += [p, p.grad] if p.grad is not None else [p]
+    for per_param in opt.state.values():
+        tensors += [t for t in per_param.values() if isinstance(t, torch.Tensor)]
+    seen: dict = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[(storage.device.type, storage.data_ptr())] = (storage.nbytes(), storage.device.type)
+    out: dict = {}
+    for n, device in seen.values():
+        out[device] = out.get(device, 0) + n
+    return out
+
+
+def _accelerator_name() -> str:
+    """The accelerator DeepSpeed runs on here (`cpu` on a CPU-only machine), or "" without DeepSpeed."""
+    if not ENGINE:
+        return ""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
 
 
 def memory_report(distributed: bool) -> dict:
-    """Every rank's `live_tensor_bytes()` (a collective when distributed)."""
+    """Every rank's live tensor bytes, in all and by device, and its optimizer's bytes by device.
+
+    A collective when distributed (the totals); the by-device figures are rank 0's, carried
+    in the JSON as they are (devices can differ in name between implementations).
+    """
     local = torch.tensor([float(live_tensor_bytes())], dtype=torch.float64)
+    extra = {
+        "live_by_device": live_bytes_by_device(),
+        "optimizer_by_device": optimizer_bytes_by_device(),
+        "accelerator": _accelerator_name(),
+    }
     if not distributed:
-        return {"state_bytes": [int(local.item())]}
+        return {"state_bytes": [int(local.item())], **extra}
     out = [torch.zeros_like(local) for _ in range(tdist.get_world_size())]
     tdist.all_gather(out, local)
-    return {"state_bytes": [int(t.item()) for t in out]}
+    return {"state_bytes": [int(t.item()) for t in out], **extra}
 
 
 def serve(runner: Runner, rank: int, instrument) -> None:

@@ -1,16 +1,21 @@
-"""One training step (forward + backward + optimizer) on 2 CPU ranks: ours vs upstream vs FSDP2.
+"""One training step (forward + backward + optimizer) on 2 CPU ranks: ours vs upstream vs FSDP2 vs DDP.
 
-    python benchmarks/bench_train_step.py                  # decoder + MLP, fp32, ~5 min on 2 cores
-    python benchmarks/bench_train_step.py --quick          # a smoke run, under a minute
+    python benchmarks/bench_train_step.py                  # decoder + MLP, fp32, ~6 min on 2 cores
+    python benchmarks/bench_train_step.py --quick          # a smoke run, about a minute
     python benchmarks/bench_train_step.py --json out.json --dtype both --profile
+    python benchmarks/bench_train_step.py --models decoder --impls ddp --rounds 1 \
+        --profile --profile-impls ours_z1,ours_z2,ddp      # where a ZeRO-1/2 step spends its time
 
 Implementations, each on the same model (seed 0), the same per-rank batches and AdamW(lr=1e-3):
-  ours      our deepspeed.initialize, ZeRO stage 3
-  upstream  DeepSpeed 0.19.8 ZeRO stage 3, same config, in benchmarks/.venv-upstream
-            (create it with `bash benchmarks/setup_upstream.sh`; without it: reported null)
-  fsdp2     torch.distributed.fsdp.fully_shard on each block and on the root
-  ddp       torch DistributedDataParallel
-  single    one process, one rank's batch, no communication (the compute floor)
+  ours         our deepspeed.initialize, ZeRO stage 3
+  upstream     DeepSpeed 0.19.8 ZeRO stage 3, same config, in benchmarks/.venv-upstream
+               (create it with `bash benchmarks/setup_upstream.sh`; without it: reported null)
+  fsdp2        torch.distributed.fsdp.fully_shard on each block and on the root
+  ddp          torch DistributedDataParallel
+  single       one process, one rank's batch, no communication (the compute floor)
+  ours_z1/_z2  ours at ZeRO stage 1 / 2 (full parameters on every rank), same config otherwise
+  upstream_z1/_z2  upstream 0.19.8 at stage 1 / 2, same config
+  ours_z2_off  ours at stage 2 with offload_optimizer to the CPU (not in the default set)
 
 Every rank runs one torch thread (2 ranks on 2 cores). Each implementation runs in its own
 group of processes (`_train_workers.py`), started once and warmed up; the groups then take
@@ -44,6 +49,37 @@ MARK = "@@train@@"
 UPSTREAM_PYTHON = HERE / ".venv-upstream" / "bin" / "python"
 EXTENSIONS_DIR = HERE / ".cache" / "torch_extensions"
 IMPLS = ("ours", "upstream", "fsdp2", "ddp", "single")
+# ZeRO stages 1 and 2, ours and upstream, same config as the stage-3 pair except the stage.
+STAGE_IMPLS = ("ours_z1", "upstream_z1", "ours_z2", "upstream_z2")
+# Ours at stage 2 with offload_optimizer to the CPU (DeepSpeedCPUAdam): the memory-by-device check.
+OFFLOAD_IMPL = "ours_z2_off"
+ALL_IMPLS = IMPLS + STAGE_IMPLS + (OFFLOAD_IMPL,)
+DEFAULT_IMPLS = IMPLS + STAGE_IMPLS
+NAMES = {
+    "ours": "ours (ZeRO-3)",
+    "upstream": "upstream DeepSpeed 0.19.8 ZeRO-3",
+    "fsdp2": "FSDP2 fully_shard",
+    "ddp": "DDP",
+    "single": "single process (no comm)",
+    "ours_z1": "ours ZeRO-1",
+    "upstream_z1": "upstream 0.19.8 ZeRO-1",
+    "ours_z2": "ours ZeRO-2",
+    "upstream_z2": "upstream 0.19.8 ZeRO-2",
+    "ours_z2_off": "ours ZeRO-2 + offload_optimizer cpu",
+}
+# JSON key of each implementation's median seconds per step.
+TIME_KEYS = {
+    "ours": "ours_s",
+    "upstream": "upstream_deepspeed_s",
+    "fsdp2": "fsdp2_s",
+    "ddp": "ddp_s",
+    "single": "single_s",
+    "ours_z1": "ours_stage1_s",
+    "upstream_z1": "upstream_stage1_s",
+    "ours_z2": "ours_stage2_s",
+    "upstream_z2": "upstream_stage2_s",
+    "ours_z2_off": "ours_stage2_offload_s",
+}
 
 MODELS = {
     "decoder": dict(model="decoder", vocab=1024, seq=128, width=256, layers=4, heads=4, batch=4),
@@ -52,7 +88,10 @@ MODELS = {
 # --quick: a tiny decoder, so a smoke run is dominated by process start-up.
 QUICK_DECODER = dict(MODELS["decoder"], seq=64, width=128, layers=2, batch=2)
 # The same ZeRO-3 sizes for ours and upstream (elements).
+# Stages 1 and 2 get the same reduce_bucket_size, and allgather_bucket_size for the
+# all-gather of updated slices after a step.
 ZERO_SIZES = dict(reduce_bucket_size=1_000_000, prefetch_bucket_size=1_000_000, persistence_threshold=10_000)
+ZERO_SIZES.update(allgather_bucket_size=1_000_000)
 
 
 class WorkerGroup:
@@ -85,9 +124,10 @@ class WorkerGroup:
             OMP_NUM_THREADS="1",
             MKL_NUM_THREADS="1",
             DS_ACCELERATOR="cpu",
-            TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR),
             CUDA_VISIBLE_DEVICES="",
         )
+        if self.impl.startswith("upstream"):  # its one-off JIT build (ours keeps the user's cache)
+            env["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS_DIR)
         with open(self.logs[rank], "w") as log:  # the child keeps its own copy of the descriptor
             stdout = subprocess.PIPE if rank == 0 else log
             return subprocess.Popen(
@@ -148,7 +188,7 @@ class WorkerGroup:
 
 
 def interpreter(impl: str, upstream_python: Path) -> str:
-    return str(upstream_python) if impl == "upstream" else sys.executable
+    return str(upstream_python) if impl.startswith("upstream") else sys.executable
 
 
 def start_groups(impls: list, spec: dict, args, log_dir: Path) -> tuple:
@@ -211,48 +251,55 @@ def _cpu_ratio(cpu: dict, a: str, b: str):
 
 def summarize(times: dict, cpu: dict, losses: dict, infos: dict, errors: dict) -> dict:
     """The JSON entry for one (model, dtype): medians, ratios, spread, final losses."""
-    med = {impl: (statistics.median(times[impl]) if times.get(impl) else None) for impl in IMPLS}
+    med = {impl: (statistics.median(times[impl]) if times.get(impl) else None) for impl in ALL_IMPLS}
 
     def ratio(a: str, b: str):
         return med[a] / med[b] if med[a] and med[b] else None
 
-    return {
-        "ours_s": med["ours"],
-        "upstream_deepspeed_s": med["upstream"],
-        "fsdp2_s": med["fsdp2"],
-        "ddp_s": med["ddp"],
-        "single_s": med["single"],
-        "ratio_vs_upstream": ratio("ours", "upstream"),
-        "ratio_vs_fsdp2": ratio("ours", "fsdp2"),
-        "ratio_vs_ddp": ratio("ours", "ddp"),
-        "cpu_ratio_vs_upstream": _cpu_ratio(cpu, "ours", "upstream"),
-        "cpu_ratio_vs_fsdp2": _cpu_ratio(cpu, "ours", "fsdp2"),
-        "timed_steps": {impl: len(times.get(impl, [])) for impl in IMPLS},
-        "p25_p75_s": {i: [_quantile(t, 0.25), _quantile(t, 0.75)] for i, t in times.items() if t},
-        "min_s": {i: min(t) for i, t in times.items() if t},
+    entry = {TIME_KEYS[impl]: med[impl] for impl in ALL_IMPLS}
+    entry.update(
+        ratio_vs_upstream=ratio("ours", "upstream"),
+        ratio_vs_fsdp2=ratio("ours", "fsdp2"),
+        ratio_vs_ddp=ratio("ours", "ddp"),
+        # ZeRO stages 1 and 2: ours against DDP and against upstream's same stage.
+        stage1_ratio_vs_ddp=ratio("ours_z1", "ddp"),
+        stage2_ratio_vs_ddp=ratio("ours_z2", "ddp"),
+        stage1_ratio_vs_upstream=ratio("ours_z1", "upstream_z1"),
+        stage2_ratio_vs_upstream=ratio("ours_z2", "upstream_z2"),
+        cpu_ratio_vs_upstream=_cpu_ratio(cpu, "ours", "upstream"),
+        cpu_ratio_vs_fsdp2=_cpu_ratio(cpu, "ours", "fsdp2"),
+        cpu_stage1_ratio_vs_ddp=_cpu_ratio(cpu, "ours_z1", "ddp"),
+        cpu_stage2_ratio_vs_ddp=_cpu_ratio(cpu, "ours_z2", "ddp"),
+        cpu_stage1_ratio_vs_upstream=_cpu_ratio(cpu, "ours_z1", "upstream_z1"),
+        cpu_stage2_ratio_vs_upstream=_cpu_ratio(cpu, "ours_z2", "upstream_z2"),
+        timed_steps={impl: len(times.get(impl, [])) for impl in ALL_IMPLS},
+        p25_p75_s={i: [_quantile(t, 0.25), _quantile(t, 0.75)] for i, t in times.items() if t},
+        min_s={i: min(t) for i, t in times.items() if t},
         # CPU seconds per step summed over ranks: robust to other jobs on a shared machine.
-        "cpu_s": {i: statistics.median(c) for i, c in cpu.items() if c},
-        "final_loss": losses,
-        "params": next((info["params"] for info in infos.values()), None),
-        "errors": errors,
-    }
+        cpu_s={i: statistics.median(c) for i, c in cpu.items() if c},
+        final_loss=losses,
+        params=next((info["params"] for info in infos.values()), None),
+        errors=errors,
+        error_reasons={impl: error_reason(text) for impl, text in errors.items()},
+    )
+    return entry
+
+
+def error_reason(text: str) -> str:
+    """The last exception line of a failed group's log tails (what to record when a case cannot run)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("---")]
+    found = [ln for ln in lines if "Error" in ln.split(":")[0] or "Exception" in ln.split(":")[0]]
+    return (found or lines or [""])[-1][:300]
 
 
 def print_table(title: str, entry: dict) -> None:
-    names = {
-        "ours": "ours (ZeRO-3)",
-        "upstream": "upstream DeepSpeed 0.19.8 ZeRO-3",
-        "fsdp2": "FSDP2 fully_shard",
-        "ddp": "DDP",
-        "single": "single process (no comm)",
-    }
-    keys = {"ours": "ours_s", "upstream": "upstream_deepspeed_s", "fsdp2": "fsdp2_s"}
-    keys.update(ddp="ddp_s", single="single_s")
     print(f"\n{title}  ({entry['params']:,} parameters)")
     head = f"{'median s':>9s} {'p25..p75 s':>15s} {'min s':>7s} {'cpu s':>7s} {'steps':>5s} {'loss':>8s}"
     print(f"  {'implementation':34s} {head}")
-    for impl in IMPLS:
-        value = entry[keys[impl]]
+    for impl in ALL_IMPLS:
+        value = entry[TIME_KEYS[impl]]
+        if value is None and impl not in entry["errors"] and impl not in DEFAULT_IMPLS:
+            continue
         spread = entry["p25_p75_s"].get(impl)
         loss = entry["final_loss"].get(impl)
         cells = [
@@ -263,17 +310,23 @@ def print_table(title: str, entry: dict) -> None:
             f"{entry['timed_steps'][impl]:5d}",
             f"{loss:8.4f}" if loss is not None else " " * 8,
         ]
-        print(f"  {names[impl]:34s} " + " ".join(cells))
+        print(f"  {NAMES[impl]:34s} " + " ".join(cells))
     for key, label in (
-        ("ratio_vs_upstream", "upstream"),
-        ("ratio_vs_fsdp2", "FSDP2"),
-        ("ratio_vs_ddp", "DDP"),
+        ("ratio_vs_upstream", "ours / upstream"),
+        ("ratio_vs_fsdp2", "ours / FSDP2"),
+        ("ratio_vs_ddp", "ours / DDP"),
+        ("stage1_ratio_vs_ddp", "ours ZeRO-1 / DDP"),
+        ("stage2_ratio_vs_ddp", "ours ZeRO-2 / DDP"),
+        ("stage1_ratio_vs_upstream", "ours ZeRO-1 / upstream ZeRO-1"),
+        ("stage2_ratio_vs_upstream", "ours ZeRO-2 / upstream ZeRO-2"),
     ):
         value = entry[key]
         text = f"{value:.2f}x" if value else "n/a"
         cpu_value = entry.get("cpu_" + key)
         cpu_text = f", CPU time {cpu_value:.2f}x" if cpu_value else ""
-        print(f"  ours / {label}: {text}{cpu_text}  (below 1: ours is faster)")
+        print(f"  {label}: {text}{cpu_text}  (below 1: ours is faster)")
+    for impl, text in entry["errors"].items():
+        print(f"  {NAMES.get(impl, impl)} could not run: {error_reason(text)}")
 
 
 def model_spec(model: str, dtype: str, args) -> dict:
@@ -310,11 +363,11 @@ def _versions(info: dict) -> dict:
     return {k: info[k] for k in keep if k in info}
 
 
-def profile_ours(model: str, dtype: str, args, log_dir: Path) -> dict:
+def profile_ours(model: str, dtype: str, args, log_dir: Path, impl: str = "ours") -> dict:
     """Our step on rank 0 under wall-clock timers (exclusive per function), then under cProfile."""
     spec = model_spec(model, dtype, args)
-    print(f"\n== profile: ours, {model}, {dtype}, {args.profile_steps} steps", flush=True)
-    group = WorkerGroup("ours", sys.executable, args.world_size, spec, log_dir, instrument=True)
+    print(f"\n== profile: {impl}, {model}, {dtype}, {args.profile_steps} steps", flush=True)
+    group = WorkerGroup(impl, sys.executable, args.world_size, spec, log_dir, instrument=True)
     try:
         group.wait_event(args.start_timeout)
         timed = group.command({"cmd": "profile", "steps": args.profile_steps}, timeout_s=600)
@@ -341,6 +394,7 @@ def profile_ours(model: str, dtype: str, args, log_dir: Path) -> dict:
     if timed.get("timers_missing"):
         print(f"  (not instrumented, missing in this engine: {', '.join(timed['timers_missing'])})")
     return {
+        "impl": impl,
         "model": model,
         "dtype": dtype,
         "step_ms_instrumented": step_ms,
@@ -358,13 +412,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a smoke run: a tiny decoder, 2 steps")
     parser.add_argument("--models", default="decoder,mlp", help="comma list of: " + ", ".join(MODELS))
     parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="fp32")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of: " + ", ".join(IMPLS))
+    parser.add_argument(
+        "--impls", default=",".join(DEFAULT_IMPLS), help="comma list of: " + ", ".join(ALL_IMPLS)
+    )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per group per round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also profile our step (decoder)")
     parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument(
+        "--profile-impls", default="ours", help="which of ours, ours_z1, ours_z2, ours_z2_off to profile"
+    )
     parser.add_argument("--profile-rows", type=int, default=22)
     parser.add_argument(
         "--max-reuse-distance",
@@ -384,17 +443,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def chosen_impls(args) -> list:
     impls = [i for i in args.impls.split(",") if i]
-    unknown = sorted(set(impls) - set(IMPLS))
+    unknown = sorted(set(impls) - set(ALL_IMPLS))
     if unknown:
-        raise SystemExit(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
-    if "upstream" in impls and not args.upstream_python.exists():
+        raise SystemExit(f"--impls: unknown {unknown}; choose from {', '.join(ALL_IMPLS)}")
+    upstream = [i for i in impls if i.startswith("upstream")]
+    if upstream and not args.upstream_python.exists():
         print(
             f"upstream DeepSpeed: {args.upstream_python} is missing; create it with\n"
             "    bash benchmarks/setup_upstream.sh\n"
             "Running the others; upstream is reported as null.",
             file=sys.stderr,
         )
-        impls.remove("upstream")
+        impls = [i for i in impls if i not in upstream]
     return impls
 
 
@@ -414,7 +474,9 @@ def main(argv=None) -> int:
                 key += "" if dtype == "fp32" else f"_{dtype}"
                 results[key] = measure(model, dtype, args, impls, log_dir)
         if args.profile:
-            results["profile_ours"] = profile_ours(models[0], dtypes[0], args, log_dir)
+            for impl in [i for i in args.profile_impls.split(",") if i]:
+                key = "profile_ours" if impl == "ours" else f"profile_{impl}"
+                results[key] = profile_ours(models[0], dtypes[0], args, log_dir, impl)
     results.update(
         machine=machine_info(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -1,18 +1,20 @@
 """Every benchmark in one go: train step, gather, init memory, scaling; JSON, Markdown and a plot.
 
-    python benchmarks/run_all.py                       # ~6 min on 2 cores (make bench)
-    python benchmarks/run_all.py --quick --skip-upstream --out-dir /tmp/r   # a ~30 s smoke run
+    python benchmarks/run_all.py                       # ~12 min on 2 shared cores (make bench)
+    python benchmarks/run_all.py --quick --skip-upstream --out-dir /tmp/r   # a ~90 s smoke run
 
 Sections (each reuses the functions of the script named, nothing is re-implemented here):
   train_step  bench_train_step.py: decoder and MLP, fp32 and bf16, ours / upstream DeepSpeed
-              0.19.8 / FSDP2 / DDP / single, 2 ranks; headline: decoder fp32
+              0.19.8 / FSDP2 / DDP / single, 2 ranks, plus ours and upstream at ZeRO stages 1
+              and 2 in the same rounds; headline: decoder fp32
   gather      bench_gather.py: P = 1, 10, 100, start/stop vs with vs one raw all-gather, plus
               upstream's `with GatheredParameters` on the same shapes (_gather_upstream.py,
               run with the upstream venv's python); headline: P = 100
   init        bench_init_memory.py: peak RSS under Init vs S/N + L at world sizes 1, 2, 4
               (glibc's default malloc); headline: the max over world sizes and ranks
-  scaling     the decoder (fp32) at world sizes 1, 2, 4, ours and FSDP2: step time and the
-              per-rank live tensor bytes between steps (parameters + grads + optimizer state)
+  scaling     the decoder (fp32) at world sizes 1, 2, 4, ours (ZeRO-3, -1, -2) and FSDP2: step
+              time and the per-rank live tensor bytes between steps (parameters + grads +
+              optimizer state); at 2 ranks ZeRO-2 with offload_optimizer, bytes by device
 
 Writes `<out-dir>/latest.json`, `latest.md` (the headline tables, also printed) and
 `latest.png` (when matplotlib is installed). `--skip-upstream` reports upstream as null.
@@ -43,6 +45,15 @@ GATHER_UPSTREAM = HERE / "_gather_upstream.py"
 GATHER_MARK = "@@gather@@"
 HEADLINE_TRAIN = ("ours_s", "upstream_deepspeed_s", "fsdp2_s", "ddp_s", "single_s")
 HEADLINE_TRAIN += ("ratio_vs_upstream", "ratio_vs_fsdp2", "ratio_vs_ddp")
+# ZeRO stages 1 and 2 (ours and upstream's same stage, beside DDP in the same rounds).
+HEADLINE_TRAIN += ("ours_stage1_s", "upstream_stage1_s", "ours_stage2_s", "upstream_stage2_s")
+STAGE_RATIOS = (
+    "stage1_ratio_vs_ddp",
+    "stage2_ratio_vs_ddp",
+    "stage1_ratio_vs_upstream",
+    "stage2_ratio_vs_upstream",
+)
+HEADLINE_TRAIN += STAGE_RATIOS
 
 
 def _section(title: str) -> float:
@@ -69,9 +80,11 @@ def _train_args(opts, impls: str, world_size: int = 2) -> argparse.Namespace:
 
 def run_train(opts, log_dir: Path) -> dict:
     began = _section("train step")
-    names = [i for i in bench_train_step.IMPLS if not (opts.skip_upstream and i == "upstream")]
-    if opts.quick:  # a smoke run: the two sharded peers are enough (the others report null)
-        names = [i for i in names if i in ("ours", "upstream", "fsdp2")]
+    names = [
+        i for i in bench_train_step.DEFAULT_IMPLS if not (opts.skip_upstream and i.startswith("upstream"))
+    ]
+    if opts.quick:  # a smoke run: the sharded peers and DDP are enough (the others report null)
+        names = [i for i in names if i in ("ours", "upstream", "fsdp2", "ddp", "ours_z1", "ours_z2")]
     targs = _train_args(opts, ",".join(names))
     impls = bench_train_step.chosen_impls(targs)
     bench_train_step.EXTENSIONS_DIR.mkdir(parents=True, exist_ok=True)
@@ -83,6 +96,10 @@ def run_train(opts, log_dir: Path) -> dict:
             cases[f"{model}_{dtype}"] = bench_train_step.measure(model, dtype, targs, impls, log_dir)
     headline = cases["decoder_fp32"]
     out = {key: headline[key] for key in HEADLINE_TRAIN}
+    # The stage 1/2 targets hold for every case: the worst case over models and dtypes.
+    for key in STAGE_RATIOS:
+        values = [case[key] for case in cases.values() if case[key] is not None]
+        out[key + "_worst"] = max(values) if values else None
     out.update(headline_case="decoder_fp32", world_size=targs.world_size, cases=cases)
     out["wall_s"] = round(time.monotonic() - began, 1)
     return out
@@ -225,43 +242,107 @@ def _scaling_one(impls: list, targs, log_dir: Path) -> dict:
     try:
         times, cpu, losses, run_errors = bench_train_step.run_rounds(groups, targs.rounds, targs.steps)
         for impl, group in groups.items():
-            memory[impl] = group.command({"cmd": "memory"}, timeout_s=120)["state_bytes"]
+            memory[impl] = group.command({"cmd": "memory"}, timeout_s=120)
     finally:
         for group in groups.values():
             group.close()
     errors.update(run_errors)
     entry = bench_train_step.summarize(times, cpu, losses, infos, errors)
     params = entry["params"] or 0
-    return {
-        "world_size": targs.world_size,
+    n = targs.world_size
+
+    def per_rank(impl: str):
+        return max(memory[impl]["state_bytes"]) if impl in memory else None
+
+    case = {
+        "world_size": n,
         "ours_s": entry["ours_s"],
         "fsdp2_s": entry["fsdp2_s"],
+        "ours_stage1_s": entry["ours_stage1_s"],
+        "ours_stage2_s": entry["ours_stage2_s"],
         "ratio_vs_fsdp2": entry["ratio_vs_fsdp2"],
-        "ours_state_bytes_per_rank": max(memory["ours"]) if "ours" in memory else None,
-        "fsdp2_state_bytes_per_rank": max(memory["fsdp2"]) if "fsdp2" in memory else None,
+        "ours_state_bytes_per_rank": per_rank("ours"),
+        "fsdp2_state_bytes_per_rank": per_rank("fsdp2"),
+        "ours_stage1_state_bytes_per_rank": per_rank("ours_z1"),
+        "ours_stage2_state_bytes_per_rank": per_rank("ours_z2"),
         # fp32 parameters, grads and AdamW's two moments, split evenly: 16 bytes per parameter.
-        "ideal_zero3_bytes_per_rank": 16 * params / targs.world_size,
-        "state_bytes_by_rank": memory,
+        "ideal_zero3_bytes_per_rank": 16 * params / n,
+        # Stages 1 and 2: full fp32 parameters (4 B) plus this rank's 1/N of the fp32 master
+        # (shared with the parameter's slice in fp32) and the two moments: 4 + 12/N bytes/param.
+        "ideal_zero12_bytes_per_rank": (4 + 12 / n) * params,
+        "state_bytes_by_rank": {impl: m["state_bytes"] for impl, m in memory.items()},
+        "live_bytes_by_device": {impl: m.get("live_by_device") for impl, m in memory.items()},
+        "optimizer_bytes_by_device": {impl: m.get("optimizer_by_device") for impl, m in memory.items()},
         "params": params,
         "timed_steps": entry["timed_steps"],
         "final_loss": losses,
         "errors": errors,
     }
+    off = bench_train_step.OFFLOAD_IMPL
+    if off in memory:
+        case["offload"] = offload_summary(
+            memory[off], memory.get("ours_z2"), n, entry["ours_stage2_offload_s"]
+        )
+    return case
+
+
+def offload_summary(off: dict, plain, world_size: int, step_s) -> dict:
+    """Where ZeRO-2 + offload_optimizer keeps its bytes, by device, next to plain ZeRO-2 (rank 0).
+
+    On a machine whose accelerator is the CPU every byte is on `cpu` with or without
+    offload, so "no optimizer state on the accelerator" cannot be told apart from the
+    default there: the summary says so instead of reporting a figure it did not measure.
+    """
+    accelerator = off.get("accelerator") or "cpu"
+    opt = off.get("optimizer_by_device") or {}
+    on_accel = None if accelerator == "cpu" else sum(v for d, v in opt.items() if d != "cpu")
+    note = (
+        "CPU-only machine: the accelerator is the CPU, so offloaded and non-offloaded optimizer state "
+        "both live on `cpu` and the accelerator-resident figure cannot be measured here; the by-device "
+        "split shows where every byte is"
+        if accelerator == "cpu"
+        else f"accelerator {accelerator}: optimizer bytes there should be 0 with offload"
+    )
+    return {
+        "world_size": world_size,
+        "accelerator": accelerator,
+        "live_bytes_by_device": off.get("live_by_device"),
+        "optimizer_bytes_by_device": opt,
+        "optimizer_bytes_on_accelerator": on_accel,
+        "state_bytes_per_rank": max(off["state_bytes"]),
+        "plain_stage2_live_bytes_by_device": (plain or {}).get("live_by_device"),
+        "plain_stage2_optimizer_bytes_by_device": (plain or {}).get("optimizer_by_device"),
+        "step_s": step_s,
+        "note": note,
+    }
 
 
 def run_scaling(opts, log_dir: Path) -> dict:
-    began = _section("scaling: decoder fp32, ours and FSDP2")
+    began = _section("scaling: decoder fp32, ours (ZeRO-3, -1, -2) and FSDP2")
     world_sizes = [1, 2] if opts.quick else [1, 2, 4]
-    impls = ["ours"] if opts.quick else ["ours", "fsdp2"]  # a smoke run: FSDP2 reported null
+    # Offload (ZeRO-2 + offload_optimizer) at 2 ranks only. A smoke run: FSDP2 reported null,
+    # stages 1 and 2 at 2 ranks only.
+    impls = ["ours", "fsdp2", "ours_z1", "ours_z2"]
     cases = {}
     for world_size in world_sizes:
-        targs = _train_args(opts, ",".join(impls), world_size)
+        group = [i for i in impls if not (opts.quick and (i == "fsdp2" or (i != "ours" and world_size != 2)))]
+        group += [bench_train_step.OFFLOAD_IMPL] if world_size == 2 else []
+        targs = _train_args(opts, ",".join(group), world_size)
         if not opts.quick:
-            targs.rounds = max(2, opts.rounds - 1)
+            targs.rounds = max(2, opts.rounds - 2)
         print(f"  world size {world_size}", flush=True)
-        cases[str(world_size)] = _scaling_one(impls, targs, log_dir)
+        cases[str(world_size)] = _scaling_one(group, targs, log_dir)
     print(_report.scaling_table(cases))
-    return {"model": "decoder", "dtype": "fp32", "cases": cases, "wall_s": round(time.monotonic() - began, 1)}
+    offload = cases.get("2", {}).get("offload")
+    if offload:
+        print(_report.offload_text(offload))
+    return {
+        "model": "decoder",
+        "dtype": "fp32",
+        "cases": cases,
+        "offload": offload,
+        "wall_s": round(time.monotonic() - began, 1),
+    }
 
 
 # ----------------------------------------------------------------------------- main

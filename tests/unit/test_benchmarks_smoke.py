@@ -17,13 +17,13 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, timeout: float = 120) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--quick", *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         env=env,
     )
     assert proc.returncode == 0, f"{script} --quick exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -61,6 +61,10 @@ REQUIRED_KEYS = (
     "train_step.ratio_vs_upstream",
     "train_step.ratio_vs_fsdp2",
     "train_step.cases",
+    "train_step.stage1_ratio_vs_ddp",
+    "train_step.stage2_ratio_vs_ddp",
+    "train_step.stage2_ratio_vs_upstream",
+    "train_step.stage1_ratio_vs_upstream",
     "gather.ratio_vs_raw_allgather",
     "gather.start_stop_vs_with",
     "gather.upstream_with_s",
@@ -68,6 +72,7 @@ REQUIRED_KEYS = (
     "init.peak_rss_ratio_to_ideal",
     "init.cases",
     "scaling.cases",
+    "scaling.offload",
     "machine.cpu_model",
     "machine.cores",
     "machine.loadavg_before",
@@ -86,9 +91,11 @@ def _lookup(report: dict, dotted: str):
     return node
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(330)
 def test_run_all_quick(tmp_path):
-    out = _run("run_all.py", "--skip-upstream", "--out-dir", str(tmp_path))
+    # About 14 process groups start (ZeRO-3, -1, -2, offload, FSDP2, DDP at 1 and 2 ranks):
+    # a minute or two on 2 cores, more when other jobs load the machine.
+    out = _run("run_all.py", "--skip-upstream", "--out-dir", str(tmp_path), timeout=300)
     assert "| metric | measured | target | met |" in out
     report = json.loads((tmp_path / "latest.json").read_text())
     values = {key: _lookup(report, key) for key in REQUIRED_KEYS}
@@ -100,4 +107,19 @@ def test_run_all_quick(tmp_path):
     assert values["gather.ratio_vs_raw_allgather"] > 0 and values["init.peak_rss_ratio_to_ideal"] > 0
     assert sorted(values["init.cases"]) and sorted(values["scaling.cases"]) == ["1", "2"]
     assert report["scaling"]["cases"]["2"]["ours_state_bytes_per_rank"] > 0
+    # ZeRO stages 1 and 2: timed beside DDP (upstream skipped), live bytes in the scaling table.
+    assert values["train_step.stage1_ratio_vs_ddp"] > 0 and values["train_step.stage2_ratio_vs_ddp"] > 0
+    assert values["train_step.stage2_ratio_vs_upstream"] is None  # skipped
+    case = report["scaling"]["cases"]["2"]
+    for key in ("ours_stage1_state_bytes_per_rank", "ours_stage2_state_bytes_per_rank"):
+        assert case[key] > 0, key
+    assert case["ideal_zero12_bytes_per_rank"] == (4 + 12 / 2) * case["params"]
+    # Optimizer offload: bytes by device, and no made-up accelerator figure on a CPU-only machine.
+    offload = values["scaling.offload"]
+    assert sum(offload["live_bytes_by_device"].values()) > 0
+    assert sum(offload["optimizer_bytes_by_device"].values()) > 0
+    if offload["accelerator"] == "cpu":
+        assert offload["optimizer_bytes_on_accelerator"] is None and "CPU-only" in offload["note"]
+    md = (tmp_path / "latest.md").read_text()
+    assert "ZeRO stages 1 and 2 beside DDP" in md and "Optimizer offload" in md
     assert (tmp_path / "latest.md").read_text().startswith("Benchmarks ")
