@@ -98,8 +98,21 @@ def _set_rank_env(rank: int, size: int, port: int) -> None:
 _RANK_LOCAL_FIXTURES = ("monkeypatch",)
 
 
+def _reset_process_state() -> None:
+    """Global state a test (or a client library it drives) may change, back to its default.
+
+    Ranks are pooled (see the note), so without this one test's changes would leak into the
+    next: transformers, for one, sets the deepspeed logger's level to its own process log
+    level, which hides the warnings later tests check for.
+    """
+    from deepspeed.utils.logging import LOG_LEVEL_ENV, logger
+
+    logger.setLevel(os.environ.get(LOG_LEVEL_ENV, "WARNING").upper())
+
+
 def _run_task(task: tuple) -> None:
     module_name, class_name, method_name, kwargs = task
+    _reset_process_state()
     cls = getattr(importlib.import_module(module_name), class_name)
     original = cls._ds_originals[method_name]
     wanted = inspect.signature(original).parameters
