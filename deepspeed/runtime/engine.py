@@ -217,9 +217,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     def _install_grad_hooks(self) -> list:
         self.reducer = GradientReducer.from_config(self._config, self.optimizer.grad_shard)
         handles = []
-        if self.zero_optimization_partition_gradients():  # stages 2 and 3 reduce during backward
-            for state in self.optimizer.states:
-                handles.append(state.param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        for state in self.optimizer.states:
+            handles.append(state.param.register_post_accumulate_grad_hook(self._on_grad_ready))
         untrained = self.optimizer.untrained(self.module)
         if untrained and dist.get_rank() == 0:
             # [Note: whose param groups train] in stage3.py: their gradients are dropped.
@@ -236,6 +235,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         return handles
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.zero_optimization_partition_gradients() and not self.is_gradient_accumulation_boundary():
+            return  # stages 0-1: accumulate whole until the boundary's backward, as DDP's no_sync
         grad, param.grad = param.grad, None  # the full gradient lives only until it is packed
         self.reducer.add(self.optimizer.state_of(param), grad)
 
@@ -268,8 +269,10 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 self.coordinator.finish_backward()
         self.reducer.flush()
         if not self.zero_optimization_partition_gradients() and self.is_gradient_accumulation_boundary():
-            # Stages 0-1: the accumulated gradients are reduced once, by the boundary's backward,
-            # so between backward and step they sit in the gradient shards as at stages 2-3.
+            # Stages 0-1: the boundary's backward reduces the accumulated gradients as they are
+            # finished (the hooks above), so between backward and step they sit in the gradient
+            # shards as at stages 2-3; a parameter this backward did not reach still holds the
+            # sum of earlier micro-steps, reduced here.
             reduce_accumulated_grads(self.optimizer.states, self.reducer)
         return loss
 
