@@ -48,6 +48,13 @@ TARGETS = (
     ("gather start/stop / raw all-gather (P=100)", ("gather", "ratio_vs_raw_allgather"), 1.1),
     ("gather start/stop / with (P=100)", ("gather", "start_stop_vs_with"), 1.02),
     ("init peak RSS / ideal (max over ws, ranks)", ("init", "peak_rss_ratio_to_ideal"), 1.1),
+    ("CPU Adam ours / memory floor (8M fp32, 2 threads)", ("cpu_adam", "ratio_vs_floor"), 1.15),
+    ("CPU Adam ours / torch fused AdamW (8M fp32, 2 threads)", ("cpu_adam", "ratio_vs_torch_fused"), 0.9),
+    (
+        "CPU Adam ours / upstream DeepSpeedCPUAdam (8M fp32, 2 threads)",
+        ("cpu_adam", "ratio_vs_upstream"),
+        1.0,
+    ),
 )
 
 
@@ -197,6 +204,14 @@ def offload_text(off: dict) -> str:
     )
 
 
+def cpu_adam_table(cpu_adam: dict) -> str:
+    """bench_cpu_adam's table (median ms per step), with its kernel and load average."""
+    import bench_cpu_adam  # the benchmarks folder is on sys.path when run_all runs
+
+    note = f"kernel {cpu_adam['isa']}, load average {cpu_adam['load_average'][0]} -> {cpu_adam['load_average'][1]}"
+    return bench_cpu_adam.format_table(cpu_adam) + f"\n\n{note}"
+
+
 def markdown(report: dict) -> str:
     m, v = report["machine"], report["versions"]
     upstream = v["upstream"]["deepspeed"] if v.get("upstream") else "skipped"
@@ -225,6 +240,7 @@ def markdown(report: dict) -> str:
             "Optimizer offload (ZeRO-2 + offload_optimizer cpu), rank 0",
             lambda s: offload_text(s["offload"]),
         ),
+        ("cpu_adam", "CPU Adam step, median ms (one param; bf16 = bf16 param, fp32 states)", cpu_adam_table),
     )
     for key, title, fn in sections:
         if key == "scaling" and "offload" in title and not (report.get("scaling") or {}).get("offload"):

@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE))
 
 import _launch  # noqa: E402 - the benchmarks folder is not a package
 import _report  # noqa: E402
+import bench_cpu_adam  # noqa: E402
 import bench_gather  # noqa: E402
 import bench_init_memory  # noqa: E402
 import bench_train_step  # noqa: E402
@@ -345,6 +346,21 @@ def run_scaling(opts, log_dir: Path) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- cpu adam
+
+
+def run_cpu_adam(opts) -> dict:
+    """bench_cpu_adam.py: 1M and 8M params, fp32 and bf16, 1 and 2 threads (64M: run it alone)."""
+    _section("cpu adam: ours / torch foreach / torch fused / upstream / memory floor")
+    print(bench_cpu_adam.format_header(), flush=True)
+    if opts.quick:
+        sizes, dtypes, threads, rounds = [2**20], ["fp32"], [2], 2
+    else:
+        sizes, dtypes, threads, rounds = [2**20, 8 * 2**20], ["fp32", "bf16"], [1, 2], 7
+    upstream = None if opts.skip_upstream else opts.upstream_python
+    return bench_cpu_adam.run(sizes, dtypes, threads, rounds, 3, upstream)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -371,7 +387,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="train-step rounds of 2 timed steps per peer")
     parser.add_argument("--upstream-python", type=Path, default=bench_train_step.UPSTREAM_PYTHON)
     parser.add_argument(
-        "--only", default="train_step,gather,init,scaling", help="comma list of sections to run (others null)"
+        "--only",
+        default="train_step,gather,init,scaling,cpu_adam",
+        help="comma list of sections to run (others null)",
     )
     return parser.parse_args(argv)
 
@@ -382,7 +400,7 @@ def main(argv=None) -> int:
     started = time.monotonic()
     load_before = os.getloadavg()
     only = set(opts.only.split(","))
-    report: dict = dict.fromkeys(("train_step", "gather", "init", "scaling"))
+    report: dict = dict.fromkeys(("train_step", "gather", "init", "scaling", "cpu_adam"))
     with tempfile.TemporaryDirectory(prefix="bench_all_") as tmp:
         if "train_step" in only:
             report["train_step"] = run_train(opts, Path(tmp))
@@ -392,6 +410,8 @@ def main(argv=None) -> int:
             report["init"] = run_init(opts)
         if "scaling" in only:
             report["scaling"] = run_scaling(opts, Path(tmp))
+        if "cpu_adam" in only:
+            report["cpu_adam"] = run_cpu_adam(opts)
     report.update(
         machine=_report.machine(load_before),
         versions=_versions(opts),

@@ -32,7 +32,7 @@ struct Scalars {
   bool lerp_from_avg;     // base is exp_avg (beta1 > 0.5, torch's small-weight branch) or g
   float beta2;
   float one_minus_beta2;
-  float bias_correction2_sqrt;
+  float inv_bias_correction2_sqrt;  // 1 / sqrt(bias_correction2)
   float eps;
   float neg_step_size;    // -lr / bias_correction1
   float weight_decay;     // kL2: g += weight_decay * p
@@ -57,8 +57,8 @@ struct Span {
 };
 
 using AdamFn = void (*)(const Span&);
-// The bandwidth floor: param += grad, exp_avg += grad, exp_avg_sq += grad over fp32 spans,
-// the same 4 reads and 3 writes per element as the fp32 Adam step.
+// The bandwidth floor: param += grad, exp_avg += grad, exp_avg_sq += grad, the same reads
+// and writes per element as an Adam step (param and grad both fp32, bf16 or fp16).
 using ProbeFn = void (*)(const Span&);
 
 struct Kernels {

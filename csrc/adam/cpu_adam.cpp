@@ -106,7 +106,7 @@ ds_adam::Scalars make_scalars(int64_t step, double lr, double beta1, double beta
   s.lerp_coeff = s.lerp_from_avg ? weight : weight - 1.0f;
   s.beta2 = static_cast<float>(beta2);
   s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  s.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
+  s.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
   s.eps = static_cast<float>(eps);
   s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
   s.weight_decay = static_cast<float>(weight_decay);
@@ -233,13 +233,14 @@ void adam_update_copy(const at::Tensor& param, const at::Tensor& grad, const at:
             bias_correction, adamw_mode);
 }
 
-// The bandwidth floor for benchmarks: param += grad, exp_avg += grad, exp_avg_sq += grad on
-// fp32 tensors, the same bytes, spans and threads as an fp32 Adam step.
+// The bandwidth floor for benchmarks: param += grad, exp_avg += grad, exp_avg_sq += grad, the
+// bytes, spans and threads of an Adam step (param and grad: both fp32, bf16 or fp16).
 void bandwidth_probe(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq) {
   ds_adam::Span span = describe(0, param, grad, exp_avg, exp_avg_sq, std::nullopt);
-  TORCH_CHECK(span.param_type == Dtype::kF32 && span.grad_type == Dtype::kF32,
-              "cpu_adam: bandwidth_probe takes float32 tensors");
+  TORCH_CHECK(span.param_type == span.grad_type, "cpu_adam: bandwidth_probe takes a grad of the param's dtype");
+  static const ds_adam::Scalars unused{};  // the probe computes nothing from them
+  span.scalars = &unused;
   const ds_adam::ProbeFn probe = active()->probe;
   pybind11::gil_scoped_release no_gil;
   run_spans({span}, probe);
@@ -263,7 +264,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_out"),
         py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("bias_correction"), py::arg("adamw_mode"));
-  m.def("bandwidth_probe", &bandwidth_probe, "p += g, m += g, v += g (fp32): the memory floor of a step",
+  m.def("bandwidth_probe", &bandwidth_probe, "p += g, m += g, v += g: the memory floor of a step",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"));
   m.def("isa", &isa, "The active kernel: avx512, avx2, neon or scalar");
   m.def("set_isa", &set_isa, "Switch kernels by name; returns the previous name", py::arg("name"));

@@ -1,0 +1,320 @@
+"""CPU Adam step: ours, torch AdamW (foreach, fused), upstream DeepSpeed, and the memory floor.
+
+    python benchmarks/bench_cpu_adam.py                          # 1M and 8M params, ~1 min
+    python benchmarks/bench_cpu_adam.py --sizes 1M,8M,64M        # plus 64M (slow on 2 cores)
+
+One parameter of N elements, AdamW (lr 1e-3, weight decay 0.01), fp32 optimizer states,
+1 and 2 threads (torch.set_num_threads; upstream's process sets the same). Per case:
+
+  ours           DeepSpeedCPUAdam.step() with the native op (one pass per step)
+  torch_foreach  torch.optim.AdamW(foreach=True).step()
+  torch_fused    torch.optim.AdamW(fused=True).step()
+  upstream       upstream DeepSpeed 0.19.8's DeepSpeedCPUAdam.step(), in its own venv
+                 (_cpu_adam_upstream.py, driven over a pipe so its steps alternate with ours)
+  floor          the op's bandwidth_probe: p += g, m += g, v += g over the same bytes as our
+                 step (4 reads, 3 writes per element), same threads: memory bandwidth alone
+
+dtype fp32: fp32 param and grad (28 bytes per param per step). dtype bf16: bf16 param and
+grad, fp32 states, updated in place (22 bytes; ours, upstream and the floor). torch has no
+fp32 states for bf16 params, so its bf16 rows step an fp32 master (fp32 grad) and copy it
+to the bf16 param with copy_ (34 bytes): what a torch user runs for the same result.
+
+Each round times `reps` steps of every implementation in turn, rotating the order; the
+figure is the median over rounds. Ratios are time ratios (below 1: ours is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: E402
+from deepspeed.ops.op_builder import ALL_OPS  # noqa: E402
+
+UPSTREAM_PYTHON = HERE / ".venv-upstream" / "bin" / "python"
+UPSTREAM_SERVER = HERE / "_cpu_adam_upstream.py"
+EXTENSIONS_DIR = HERE / ".cache" / "torch_extensions"
+IMPLS = ("ours", "torch_foreach", "torch_fused", "upstream", "floor")
+HEADLINE = "8M_fp32_2t"
+LR, WEIGHT_DECAY = 1e-3, 0.01
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
+    return int(text.rstrip("KM")) * scale
+
+
+def _uniform(n: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.rand(n).sub_(0.5).to(dtype)
+
+
+class Upstream:
+    """upstream's DeepSpeedCPUAdam in a child process; `time()` runs steps there and waits."""
+
+    def __init__(self, python: Path, timeout_s: float = 900.0) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR))
+        EXTENSIONS_DIR.mkdir(parents=True, exist_ok=True)
+        self.timeout_s = timeout_s
+        self.proc = subprocess.Popen(
+            [str(python), str(UPSTREAM_SERVER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=str(HERE),
+            env=env,
+        )
+
+    def ask(self, cmd: dict) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read()[-3000:]
+            raise RuntimeError(f"upstream cpu_adam server exited (code {self.proc.poll()}):\n{err}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _ours(n: int, dtype: str) -> Callable[[], None]:
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    param = torch.nn.Parameter(_uniform(n, dt))
+    param.grad = _uniform(n, dt)
+    opt = DeepSpeedCPUAdam([param], lr=LR, weight_decay=WEIGHT_DECAY)
+    if not opt.uses_native:
+        raise RuntimeError("the cpu_adam op did not load; this benchmark measures the native op")
+    return opt.step
+
+
+def _torch(n: int, dtype: str, **kwargs) -> Callable[[], None]:
+    master = torch.nn.Parameter(_uniform(n))
+    master.grad = _uniform(n)
+    opt = torch.optim.AdamW([master], lr=LR, weight_decay=WEIGHT_DECAY, **kwargs)
+    if dtype == "fp32":
+        return opt.step
+    model = torch.empty(n, dtype=torch.bfloat16)
+
+    def step() -> None:
+        opt.step()
+        with torch.no_grad():
+            model.copy_(master)
+
+    return step
+
+
+def _floor(n: int, dtype: str) -> Callable[[], None]:
+    op = ALL_OPS["cpu_adam"].load()
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    tensors = (_uniform(n, dt), _uniform(n, dt), _uniform(n), _uniform(n))
+    return lambda: op.bandwidth_probe(*tensors)
+
+
+def _timed(fn: Callable[[], None], reps: int) -> float:
+    began = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - began) / reps
+
+
+def bytes_per_param(impl: str, dtype: str) -> int:
+    if dtype == "fp32":
+        return 28
+    return 34 if impl.startswith("torch") else 22
+
+
+def measure_case(
+    n: int, dtype: str, threads: int, rounds: int, reps: int, upstream: Optional[Upstream]
+) -> dict:
+    torch.set_num_threads(threads)
+    steps: dict[str, Callable[[], None]] = {
+        "ours": _ours(n, dtype),
+        "torch_foreach": _torch(n, dtype, foreach=True),
+        "torch_fused": _torch(n, dtype, fused=True),
+        "floor": _floor(n, dtype),
+    }
+    if upstream is not None:
+        upstream.ask({"cmd": "setup", "n": n, "dtype": dtype, "threads": threads})
+        steps["upstream"] = lambda: None  # timed in its process, below
+    for name, fn in steps.items():
+        if name != "upstream":
+            fn()  # warm-up: states allocated, pages touched
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            if name == "upstream":
+                times[name].append(upstream.ask({"cmd": "time", "reps": reps})["s"])
+            else:
+                times[name].append(_timed(steps[name], reps))
+    del steps
+    return summarize(n, dtype, threads, {name: statistics.median(ts) for name, ts in times.items()})
+
+
+def summarize(n: int, dtype: str, threads: int, median_s: dict) -> dict:
+    ms = {impl: (1e3 * median_s[impl] if impl in median_s else None) for impl in IMPLS}
+    ours = ms["ours"]
+
+    def ratio(other: Optional[float]) -> Optional[float]:
+        return round(ours / other, 3) if other else None
+
+    floor_bytes = bytes_per_param("floor", dtype) * n
+    return {
+        "params": n,
+        "dtype": dtype,
+        "threads": threads,
+        **{f"{impl}_ms": (round(v, 3) if v is not None else None) for impl, v in ms.items()},
+        "ours_mparam_s": round(n / ours / 1e3, 1),
+        "floor_gb_s": round(floor_bytes / ms["floor"] / 1e6, 1),
+        "ours_gb_s": round(bytes_per_param("ours", dtype) * n / ours / 1e6, 1),
+        "ratio_vs_floor": ratio(ms["floor"]),
+        "ratio_vs_torch_fused": ratio(ms["torch_fused"]),
+        "ratio_vs_torch_foreach": ratio(ms["torch_foreach"]),
+        "ratio_vs_upstream": ratio(ms["upstream"]),
+    }
+
+
+def case_key(n: int, dtype: str, threads: int) -> str:
+    return f"{n // 2**20}M_{dtype}_{threads}t" if n >= 2**20 else f"{n}_{dtype}_{threads}t"
+
+
+def run(
+    sizes: list[int],
+    dtypes: list[str],
+    threads: list[int],
+    rounds: int = 7,
+    reps: int = 3,
+    upstream_python: Optional[Path] = UPSTREAM_PYTHON,
+) -> dict:
+    """Every case; headline ratios from 8M fp32 at 2 threads (when measured)."""
+    began = time.monotonic()
+    load_before = os.getloadavg()[0]
+    upstream = None
+    if upstream_python is not None:
+        if upstream_python.exists():
+            upstream = Upstream(upstream_python)
+        else:
+            print(f"cpu_adam: {upstream_python} is missing (bash benchmarks/setup_upstream.sh); null")
+    saved_threads = torch.get_num_threads()
+    cases = {}
+    try:
+        for n in sizes:
+            for dtype in dtypes:
+                for t in threads:
+                    try:
+                        case = measure_case(n, dtype, t, rounds, reps, upstream)
+                    except RuntimeError as exc:  # upstream failed: measure the rest without it
+                        if upstream is None:
+                            raise
+                        print(f"cpu_adam: upstream failed, reported as null: {exc}", file=sys.stderr)
+                        upstream.close()
+                        upstream = None
+                        case = measure_case(n, dtype, t, rounds, reps, None)
+                    cases[case_key(n, dtype, t)] = case
+                    print(format_row(case), flush=True)
+    finally:
+        torch.set_num_threads(saved_threads)
+        if upstream is not None:
+            upstream.close()
+    head = cases.get(HEADLINE, {})
+    op = ALL_OPS["cpu_adam"].load()
+    return {
+        "ratio_vs_floor": head.get("ratio_vs_floor"),
+        "ratio_vs_torch_fused": head.get("ratio_vs_torch_fused"),
+        "ratio_vs_upstream": head.get("ratio_vs_upstream"),
+        "headline_case": HEADLINE,
+        "isa": op.isa(),
+        "rounds": rounds,
+        "reps": reps,
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "cases": cases,
+        "wall_s": round(time.monotonic() - began, 1),
+    }
+
+
+COLUMNS = ("ours", "torch_foreach", "torch_fused", "upstream", "floor")
+
+
+def _fmt(value: Optional[float], spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def format_header() -> str:
+    head = "| case | " + " | ".join(f"{c} ms" for c in COLUMNS)
+    return head + " | vs floor | vs fused | vs upstream |\n|" + "---|" * (len(COLUMNS) + 4)
+
+
+def format_row(case: dict) -> str:
+    key = case_key(case["params"], case["dtype"], case["threads"])
+    cells = [_fmt(case[f"{c}_ms"]) for c in COLUMNS]
+    ratios = [_fmt(case[k]) for k in ("ratio_vs_floor", "ratio_vs_torch_fused", "ratio_vs_upstream")]
+    return f"| {key} | " + " | ".join(cells + ratios) + " |"
+
+
+def format_table(result: dict) -> str:
+    rows = [format_row(case) for case in result["cases"].values()]
+    return "\n".join([format_header(), *rows])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1M,8M", help="comma list of parameter counts (K/M suffixes)")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds; each times every implementation")
+    parser.add_argument("--reps", type=int, default=3, help="steps per implementation per round")
+    parser.add_argument("--skip-upstream", action="store_true")
+    parser.add_argument("--upstream-python", type=Path, default=UPSTREAM_PYTHON)
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    print(f"load average {os.getloadavg()[0]:.2f}; kernel {ALL_OPS['cpu_adam'].load().isa()}")
+    print(format_header(), flush=True)
+    result = run(
+        [parse_size(s) for s in args.sizes.split(",")],
+        args.dtypes.split(","),
+        [int(t) for t in args.threads.split(",")],
+        args.rounds,
+        args.reps,
+        None if args.skip_upstream else args.upstream_python,
+    )
+    print(
+        f"headline {HEADLINE}: "
+        + ", ".join(
+            f"{k} {result[k]}" for k in ("ratio_vs_floor", "ratio_vs_torch_fused", "ratio_vs_upstream")
+        )
+    )
+    print(f"load average before/after: {result['load_average']}; {result['wall_s']} s")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
