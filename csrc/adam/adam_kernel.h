@@ -93,6 +93,9 @@ DS_TARGET inline void adam_vector(PT* p, const GT* g, float* m, float* v, OT* o,
   V::st(o, param);
 }
 
+// Elements ahead to prefetch (a few KiB per stream; prefetching past the end is harmless).
+constexpr int64_t kPrefetch = 1024;
+
 template <class PT, class GT, class OT, bool kProbe = false>
 DS_TARGET void adam_span(const ds_adam::Span& t) {
   PT* p = static_cast<PT*>(t.param);
@@ -102,6 +105,12 @@ DS_TARGET void adam_span(const ds_adam::Span& t) {
   const Consts c = broadcast(s);
   int64_t i = t.begin;
   for (; i + V::W <= t.end; i += V::W) {
+    if (!kProbe) {  // fetch ahead: the divider's long chains otherwise limit loads in flight
+      __builtin_prefetch(p + i + kPrefetch, 1);
+      __builtin_prefetch(g + i + kPrefetch, 0);
+      __builtin_prefetch(t.exp_avg + i + kPrefetch, 1);
+      __builtin_prefetch(t.exp_avg_sq + i + kPrefetch, 1);
+    }
     adam_vector<kProbe>(p + i, g + i, t.exp_avg + i, t.exp_avg_sq + i, offset(o, i), c, s.decay, s.lerp_from_avg);
   }
   const int64_t rest = t.end - i;
