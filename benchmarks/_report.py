@@ -204,6 +204,20 @@ def offload_text(off: dict) -> str:
     )
 
 
+def agreement_table(agreement: dict) -> str:
+    """bench_agreement's figures: collectives the checks add, and Init / step time on vs off."""
+    rows = [
+        ("agreement collectives per train step", agreement["agreement_collectives_per_step"]),
+        (
+            "agreement collectives per Init + initialize",
+            agreement["agreement_collectives_per_init_and_initialize"],
+        ),
+        ("Init s, checks on / off", f"{agreement['init_on_s']} / {agreement['init_off_s']}"),
+        ("train step s, checks on / off", f"{agreement['step_on_s']} / {agreement['step_off_s']}"),
+    ]
+    return "| what | measured |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
 def cpu_adam_table(cpu_adam: dict) -> str:
     """bench_cpu_adam's table (median ms per step), with its kernel and load average."""
     import bench_cpu_adam  # the benchmarks folder is on sys.path when run_all runs
@@ -241,6 +255,7 @@ def markdown(report: dict) -> str:
             lambda s: offload_text(s["offload"]),
         ),
         ("cpu_adam", "CPU Adam step, median ms (one param; bf16 = bf16 param, fp32 states)", cpu_adam_table),
+        ("agreement", "Rank-agreement checks, on vs off (2 ranks)", agreement_table),
     )
     for key, title, fn in sections:
         if key == "scaling" and "offload" in title and not (report.get("scaling") or {}).get("offload"):

@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE))
 
 import _launch  # noqa: E402 - the benchmarks folder is not a package
 import _report  # noqa: E402
+import bench_agreement  # noqa: E402
 import bench_cpu_adam  # noqa: E402
 import bench_gather  # noqa: E402
 import bench_init_memory  # noqa: E402
@@ -361,6 +362,12 @@ def run_cpu_adam(opts) -> dict:
     return bench_cpu_adam.run(sizes, dtypes, threads, rounds, 3, upstream)
 
 
+def run_agreement(opts) -> dict:
+    """bench_agreement.py: what the rank-agreement checks cost Init and a step (on vs off)."""
+    _section("rank agreement checks: Init and a train step, checks on vs off")
+    return bench_agreement.main(["--layers", "4", "--rounds", "2"] if opts.quick else [])
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -388,7 +395,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--upstream-python", type=Path, default=bench_train_step.UPSTREAM_PYTHON)
     parser.add_argument(
         "--only",
-        default="train_step,gather,init,scaling,cpu_adam",
+        default="train_step,gather,init,scaling,cpu_adam,agreement",
         help="comma list of sections to run (others null)",
     )
     return parser.parse_args(argv)
@@ -400,7 +407,7 @@ def main(argv=None) -> int:
     started = time.monotonic()
     load_before = os.getloadavg()
     only = set(opts.only.split(","))
-    report: dict = dict.fromkeys(("train_step", "gather", "init", "scaling", "cpu_adam"))
+    report: dict = dict.fromkeys(("train_step", "gather", "init", "scaling", "cpu_adam", "agreement"))
     with tempfile.TemporaryDirectory(prefix="bench_all_") as tmp:
         if "train_step" in only:
             report["train_step"] = run_train(opts, Path(tmp))
@@ -412,6 +419,8 @@ def main(argv=None) -> int:
             report["scaling"] = run_scaling(opts, Path(tmp))
         if "cpu_adam" in only:
             report["cpu_adam"] = run_cpu_adam(opts)
+        if "agreement" in only:
+            report["agreement"] = run_agreement(opts)
     report.update(
         machine=_report.machine(load_before),
         versions=_versions(opts),
