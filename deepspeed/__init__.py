@@ -9,6 +9,7 @@ same way (`deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES` works after a bare
 
 import importlib
 import importlib.util
+from typing import Optional
 
 from deepspeed.version import __version__
 
@@ -51,17 +52,35 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        module_name, attr = _LAZY[name]
-        module = importlib.import_module(module_name)
-        value = module if attr is None else getattr(module, attr)
-    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f"{__name__}.{name}")  # a subpackage or submodule
-    else:
-        raise AttributeError(f"module 'deepspeed' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+def _lazy_attributes(package: str, namespace: dict, names: Optional[dict] = None):
+    """A package's `__getattr__`: listed names and submodules import on first access.
+
+    [Note: lazy package attributes]
+    `import deepspeed` stays light (it loads only `deepspeed` and `deepspeed.version`), yet
+    clients reach names through attribute chains after a bare import
+    (`deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`). Every package of ours builds its
+    `__getattr__` here: a name in `names` (attribute -> (module, attribute in it, or None for
+    the module itself)) imports from its module; any other non-dunder name that is a
+    submodule imports as one; the result is cached in the package's namespace.
+    """
+    names = names or {}
+
+    def __getattr__(name):
+        if name in names:
+            module_name, attr = names[name]
+            module = importlib.import_module(module_name)
+            value = module if attr is None else getattr(module, attr)
+        elif not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            value = importlib.import_module(f"{package}.{name}")  # a subpackage or submodule
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        namespace[name] = value
+        return value
+
+    return __getattr__
+
+
+__getattr__ = _lazy_attributes(__name__, globals(), _LAZY)
 
 
 def __dir__():

@@ -5,17 +5,11 @@ until an op is used, so `import deepspeed.ops` stays light. `__compatible_ops__`
 name: op -> whether it can be built here) is computed on first access too.
 """
 
-import importlib
+from deepspeed import _lazy_attributes
 
 __all__ = ["adam", "op_builder"]
 
 
-def __getattr__(name):
-    if name == "__compatible_ops__":
-        value = importlib.import_module("deepspeed.git_version_info").compatible_ops
-    elif name in __all__:
-        value = importlib.import_module(f"deepspeed.ops.{name}")
-    else:
-        raise AttributeError(f"module 'deepspeed.ops' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = _lazy_attributes(
+    __name__, globals(), {"__compatible_ops__": ("deepspeed.git_version_info", "compatible_ops")}
+)

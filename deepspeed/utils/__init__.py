@@ -5,9 +5,7 @@ logger is imported lazily here, which keeps `deepspeed.comm` -> `deepspeed.utils
 free of a cycle and `import deepspeed.utils` light.
 """
 
-import importlib
-import importlib.util
-
+from deepspeed import _lazy_attributes
 from deepspeed.utils.logging import log_dist, logger
 
 _LEAF = "deepspeed.utils.z3_leaf_module"
@@ -33,12 +31,4 @@ _LAZY = {
 __all__ = ["groups", "log_dist", "logger", "zero_to_fp32", *_LAZY]
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module 'deepspeed.utils' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = _lazy_attributes(__name__, globals(), {name: (module, name) for name, module in _LAZY.items()})

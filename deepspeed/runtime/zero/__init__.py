@@ -5,10 +5,9 @@ ones; the public names (`deepspeed.runtime.zero.GatheredParameters`, ...) and su
 resolve on first attribute access.
 """
 
-import importlib
-import importlib.util
+from deepspeed import _lazy_attributes
 
-_PUBLIC = {
+_PUBLIC = {  # name -> the module that defines it
     "Init": "deepspeed.runtime.zero.partition_parameters",
     "GatheredParameters": "deepspeed.runtime.zero.partition_parameters",
     "register_external_parameter": "deepspeed.runtime.zero.partition_parameters",
@@ -17,12 +16,6 @@ _PUBLIC = {
 }
 
 
-def __getattr__(name):
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = _lazy_attributes(
+    __name__, globals(), {name: (module, name) for name, module in _PUBLIC.items()}
+)
