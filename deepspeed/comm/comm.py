@@ -92,6 +92,19 @@ def _default_backend() -> str:
     return get_accelerator().communication_backend_name()
 
 
+def _refuse_comms_logger(config: Optional[Any]) -> None:
+    """Upstream reads only `comms_logger` from `init_distributed(config=...)`: none exists here."""
+    if config is None:
+        return
+    section = getattr(config, "_param_dict", config)
+    logger_cfg = section.get("comms_logger") if isinstance(section, dict) else None
+    if isinstance(logger_cfg, dict) and logger_cfg.get("enabled"):
+        raise ValueError(
+            "init_distributed(config=...): comms_logger.enabled=true is not supported (no communication "
+            "logger here); remove the comms_logger block or set enabled to false"
+        )
+
+
 def init_distributed(
     dist_backend: Optional[str] = None,
     auto_mpi_discovery: bool = True,
@@ -113,7 +126,7 @@ def init_distributed(
     With `auto_mpi_discovery` (the default) and no RANK / WORLD_SIZE, a process started by
     mpirun or srun takes them from the MPI / Slurm variables (`env_discovery.py`).
     """
-    del config  # accepted for signature compatibility
+    _refuse_comms_logger(config)
     if dist_init_required is False:
         return
     if _dist.is_initialized():

@@ -182,3 +182,12 @@ def test_harness_reports_failing_rank_and_blocked_peer():
     text = str(info.value)
     assert "rank 1 raised" in text and "rank one is broken" in text
     assert "ranks [0] did not finish" in text
+
+
+def test_init_distributed_refuses_an_enabled_comms_logger():
+    from deepspeed.comm import comm as facade
+
+    with pytest.raises(ValueError, match="comms_logger.enabled=true"):
+        facade._refuse_comms_logger({"comms_logger": {"enabled": True}})
+    facade._refuse_comms_logger({"comms_logger": {"enabled": False}, "train_batch_size": 1})
+    facade._refuse_comms_logger(None)
