@@ -1,6 +1,6 @@
-"""Every benchmark in one go: train step, gather, init memory, scaling; JSON, Markdown and a plot.
+"""Every benchmark in one go: train step, gather, init memory, scaling, CPU Adam, rank agreement.
 
-    python benchmarks/run_all.py                       # ~12 min on 2 shared cores (make bench)
+    python benchmarks/run_all.py                       # ~14 min on 2 shared cores (make bench)
     python benchmarks/run_all.py --quick --skip-upstream --out-dir /tmp/r   # a ~90 s smoke run
 
 Sections (each reuses the functions of the script named, nothing is re-implemented here):
@@ -15,6 +15,9 @@ Sections (each reuses the functions of the script named, nothing is re-implement
   scaling     the decoder (fp32) at world sizes 1, 2, 4, ours (ZeRO-3, -1, -2) and FSDP2: step
               time and the per-rank live tensor bytes between steps (parameters + grads +
               optimizer state); at 2 ranks ZeRO-2 with offload_optimizer, bytes by device
+  cpu_adam    bench_cpu_adam.py: ours / torch foreach / torch fused / upstream / memory floor
+  agreement   bench_agreement.py: the rank-agreement collectives per Init and per step, and
+              Init and step time with the checks on and off
 
 Writes `<out-dir>/latest.json`, `latest.md` (the headline tables, also printed) and
 `latest.png` (when matplotlib is installed). `--skip-upstream` reports upstream as null.
