@@ -57,6 +57,39 @@ class TestCollectives(DistributedTest):
         assert [o["rank"] for o in objs] == list(range(size))
         dist.barrier()
 
+    def test_all_gather_both_gloo_paths(self):
+        """Below and above GLOO_BROADCAST_MIN_BYTES (one broadcast per rank), sync and async,
+        out of place, in place (the input is this rank's chunk of the output) and on a subgroup."""
+        from deepspeed.comm import comm as facade
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        big = facade.GLOO_BROADCAST_MIN_BYTES // 4 // size + 5  # elements per rank: over the threshold
+        for per_rank in (7, big):
+            expected = torch.cat([torch.arange(per_rank, dtype=torch.float32) * (r + 1) for r in range(size)])
+            mine = torch.arange(per_rank, dtype=torch.float32) * (rank + 1)
+            for async_op in (False, True):
+                full = torch.full((per_rank * size,), -1.0)
+                dist.all_gather_into_tensor(full, mine, async_op=async_op).wait()
+                assert torch.equal(full, expected), (per_rank, async_op)
+                in_place = torch.full((per_rank * size,), -1.0)
+                in_place.view(size, per_rank)[rank].copy_(mine)
+                dist.all_gather_into_tensor(
+                    in_place, in_place.view(size, per_rank)[rank], async_op=async_op
+                ).wait()
+                assert torch.equal(in_place, expected), ("in place", per_rank, async_op)
+            with pytest.raises(ValueError, match="not .* ranks x the input"):
+                dist.all_gather_into_tensor(torch.empty(per_rank * size + size), mine)
+        if size == 1:
+            return
+        odds = list(range(1, size, 2))
+        group = dist.new_group(odds)  # every rank calls new_group
+        if rank in odds:
+            me = dist.get_rank(group)
+            mine = torch.full((big,), float(rank))
+            full = torch.empty(big * len(odds))
+            dist.all_gather_into_tensor(full, mine, group=group)
+            assert torch.equal(full, torch.cat([torch.full((big,), float(r)) for r in odds])), me
+
     def test_groups(self):
         rank, size = dist.get_rank(), dist.get_world_size()
         evens = list(range(0, size, 2))
