@@ -54,8 +54,7 @@ _TARGETS = (
     # all-gather of the updated slices back into the full parameters.
     ("deepspeed.runtime.engine", "", "reduce_accumulated_grads", "z1: reduce accumulated grads"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_refresh_full_params", "z12: refresh full params"),
-    ("deepspeed.runtime.zero.gather", "", "gather_into_params", "z12: gather_into_params"),
-    ("deepspeed.runtime.zero.gather", "", "_gather_chunk_into_params", "z12: copy full -> param.data"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "", "_gather_bucket", "z12: all-gather + copy into params"),
     ("deepspeed.runtime.zero.grad_reducer", "GradientReducer", "_reduce", "grad: pack+reduce+accumulate"),
     ("deepspeed.runtime.zero.stage3", "ZeroStage3Optimizer", "step", "optim: ZeRO step"),
     ("deepspeed.runtime.zero.stage3", "ZeroStage3Optimizer", "_global_norm", "optim: global grad norm"),

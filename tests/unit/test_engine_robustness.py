@@ -340,9 +340,12 @@ class TestReplicatedStages(DistributedTest):
 
     @pytest.mark.parametrize("stage", [0, 1, 2])
     def test_full_parameters_sharded_state_and_when_gradients_reduce(self, stage):
-        zero = {"stage": stage, "reduce_bucket_size": 200}
+        # Several all-gather buckets after each step, with padded (head.bias: 3 elements over 2
+        # ranks) and unpadded parameters in them (stage_1_and_2.gather_updated_slices).
+        zero = {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 40}
         engine, reference = twin(OutsideUses, zero_optimization=zero)
         model = engine.module
+        assert model.head.bias.numel() % dist.get_world_size() and not model.a.weight.numel() % 2
         assert not any(hasattr(p, "ds_id") for p in model.parameters())  # HF reads ds_id as ZeRO-3
         assert engine.zero_optimization_stage() == stage and not engine.zero_optimization_partition_weights()
         assert engine.zero_optimization_partition_gradients() == (stage == 2)

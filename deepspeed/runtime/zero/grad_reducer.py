@@ -53,12 +53,13 @@ class _InFlight:
 
 
 class GradientReducer:
-    """Owns the pending buckets; `grad_shard(state)` returns where a state's reduced slice goes."""
+    """Owns the pending buckets; `accumulate(state, reduced, alpha)` adds a state's reduced slice
+    (times `alpha`) to its fp32 gradient shard."""
 
     def __init__(
         self,
         bucket_elems: int,
-        grad_shard: Callable,
+        accumulate: Callable,
         comm_dtype: Optional[torch.dtype] = None,
         *,
         overlap_comm: bool = False,
@@ -68,7 +69,7 @@ class GradientReducer:
         if predivide_factor <= 0:
             raise ValueError(f"gradient_predivide_factor must be positive, got {predivide_factor}")
         self.bucket_elems = max(1, int(bucket_elems))
-        self.grad_shard = grad_shard  # state -> fp32 tensor [partition_size] to accumulate into
+        self.accumulate = accumulate  # (state, reduced slice, alpha) -> None
         self.comm_dtype = comm_dtype  # None: reduce in the gradient's own dtype
         self.overlap_comm = overlap_comm
         self.prescale_gradients = prescale_gradients
@@ -80,12 +81,12 @@ class GradientReducer:
         self.async_calls = 0  # of which asynchronous (overlap_comm)
 
     @classmethod
-    def from_config(cls, config: Any, grad_shard: Callable) -> GradientReducer:
+    def from_config(cls, config: Any, accumulate: Callable) -> GradientReducer:
         """A reducer set up from a `DeepSpeedConfig`: bucket size, dtype, overlap and scaling."""
         zero = config.zero_config
         return cls(
             zero.reduce_bucket_size,
-            grad_shard,
+            accumulate,
             config.communication_data_type,
             overlap_comm=bool(zero.overlap_comm),
             prescale_gradients=config.prescale_gradients,
@@ -152,9 +153,7 @@ class GradientReducer:
     def _complete(self, work: _InFlight) -> None:
         work.handle.wait()
         _, after = self._scales(work.world)
-        offset = 0
-        for state in work.states:
-            piece = work.received[offset : offset + state.partition_size]
-            target = self.grad_shard(state)
-            target.add_(piece.to(device=target.device, dtype=torch.float32), alpha=after)
-            offset += state.partition_size
+        # Each state gets its own disjoint view of `received`, which the accumulator may keep.
+        pieces = torch.split(work.received, [s.partition_size for s in work.states])
+        for state, piece in zip(work.states, pieces):
+            self.accumulate(state, piece, after)

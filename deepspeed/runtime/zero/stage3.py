@@ -219,13 +219,24 @@ class ZeroStage3Optimizer(ZeROOptimizer):
 
     # ------------------------------------------------------------------ what the engine calls
 
-    def grad_shard(self, state: ZeroParamState) -> torch.Tensor:
-        """The fp32 gradient shard to accumulate into (allocated on first use in a step)."""
+    def accumulate_grad(self, state: ZeroParamState, reduced: torch.Tensor, alpha: float) -> None:
+        """Add `alpha * reduced` (this rank's reduced slice) to `state`'s fp32 gradient shard.
+
+        The first slice of a step becomes the shard itself when it already is an fp32 tensor
+        where the master lives (a view into the reducer's receive buffer, which holds nothing
+        else): no zero-filled allocation, no add. Pinned masters (optimizer offload) always
+        get a pinned copy, so the host-to-device traffic stays on pinned pages.
+        """
         master = self.masters[state.ds_id]
         if master.grad is None:
-            grad = torch.zeros_like(master)
+            if reduced.dtype == torch.float32 and reduced.device == master.device and not self.pin_masters:
+                master.grad = reduced.mul_(alpha) if alpha != 1.0 else reduced
+                return
+            grad = torch.empty_like(master)
             master.grad = get_accelerator().pin_memory(grad) if self.pin_masters else grad
-        return master.grad
+            torch.mul(reduced.to(device=grad.device, dtype=torch.float32), alpha, out=master.grad)
+            return
+        master.grad.add_(reduced.to(device=master.device, dtype=torch.float32), alpha=alpha)
 
     @property
     def param_groups(self) -> list:

@@ -91,6 +91,55 @@ def make_replicated_shards(module: nn.Module, group: Any = None) -> dict:
     return shards
 
 
+def gather_updated_slices(states: list, bucket_elems: int = 0) -> None:
+    """All-gather every rank's slices of `states` back into their full parameters, in place.
+
+    One collective per (group, dtype) bucket of at most `bucket_elems` gathered elements
+    (`allgather_bucket_size`; 0: no limit), so the temporary output stays bounded. The
+    output is rank-major (`[rank 0: p0 slice, p1 slice, ...][rank 1: ...]`); one fused copy
+    moves each parameter's column block straight into its storage, which is
+    `[world, partition_size]` when it has no padding. A padded parameter's block goes
+    through a small buffer first, since its last rank's slice runs past its end.
+    """
+    by_key: dict = {}
+    for s in states:
+        by_key.setdefault((id(s.group), s.shard.dtype), []).append(s)
+    for same in by_key.values():
+        chunk, elems = [], 0
+        for s in same:
+            chunk.append(s)
+            elems += s.world_size * s.partition_size
+            if bucket_elems and elems >= bucket_elems:
+                _gather_bucket(chunk)
+                chunk, elems = [], 0
+        if chunk:
+            _gather_bucket(chunk)
+
+
+@torch.no_grad()
+def _gather_bucket(states: list) -> None:
+    first = states[0]
+    world, sizes = first.world_size, [s.partition_size for s in states]
+    device = first.param.device  # where the full parameters live: the communication device
+    rows = torch.empty(world, sum(sizes), dtype=first.shard.dtype, device=device)
+    torch.cat([s.shard for s in states], out=rows[first.rank])
+    dist.all_gather_into_tensor(rows.view(-1), rows[first.rank], group=first.group)
+    padded = [s for s in states if not _storage_is_rows(s)]
+    scratch = {id(s): torch.empty(world, s.partition_size, dtype=rows.dtype, device=device) for s in padded}
+    targets = [
+        scratch[id(s)] if id(s) in scratch else s.param.data.view(world, s.partition_size) for s in states
+    ]
+    torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)
+    for s in padded:
+        s.param.data.copy_(scratch[id(s)].view(-1)[: s.numel].view(s.shape))
+
+
+def _storage_is_rows(state: ReplicatedShard) -> bool:
+    """Whether `state.param`'s storage can take its gathered block as a `[world, partition_size]` view."""
+    data = state.param.data
+    return state.padding == 0 and data.is_contiguous() and data.dtype == state.shard.dtype
+
+
 def reduce_accumulated_grads(states: list, reducer: Any) -> None:
     """Stage 1 (and 0), at a step: reduce-scatter each accumulated `param.grad`, then free it."""
     for state in states:
