@@ -1,4 +1,4 @@
-"""run_all.py's outputs: the machine record, the Markdown tables and the 4-panel plot.
+"""run_all.py's outputs: the machine record, the Markdown tables and the 6-panel plot.
 
 Every function takes the report dict run_all.py builds (sections may be None when a
 section was not run) and tolerates nulls (upstream skipped, a peer that failed).
@@ -54,6 +54,13 @@ TARGETS = (
         "CPU Adam ours / upstream DeepSpeedCPUAdam (8M fp32, 2 threads)",
         ("cpu_adam", "ratio_vs_upstream"),
         1.0,
+    ),
+    ("GPT-2 small ours / upstream (124M fp32, 2 ranks)", ("gpt2_small", "ratio_vs_upstream"), 0.8),
+    ("GPT-2 small ours / FSDP2 (124M fp32, 2 ranks)", ("gpt2_small", "ratio_vs_fsdp2"), 1.0),
+    (
+        "GPT-2 small live bytes / 16 B per param / N (worst of ws 1, 2, 4)",
+        ("gpt2_small", "live_bytes_ratio_to_ideal"),
+        1.1,
     ),
 )
 
@@ -181,6 +188,98 @@ def scaling_table(cases: dict) -> str:
     return "\n".join(lines)
 
 
+GPT2_PEERS = (
+    ("ours", "ours_s"),
+    ("upstream", "upstream_deepspeed_s"),
+    ("fsdp2", "fsdp2_s"),
+    ("ddp", "ddp_s"),
+)
+
+
+def gpt2_table(gpt2: dict) -> str:
+    """GPT-2 small side by side at 2 ranks: step time, live bytes and peak RSS per rank."""
+    lines = [
+        "| implementation | median s | p25..p75 s | CPU s (both ranks) | live MB per rank | peak RSS MB per rank "
+        "| loss after warm-up |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for impl, key in GPT2_PEERS:
+        spread = (gpt2.get("p25_p75_s") or {}).get(impl)
+        live = (gpt2.get("live_bytes_by_rank") or {}).get(impl)
+        rss = (gpt2.get("peak_rss_bytes_by_rank") or {}).get(impl)
+        loss = (gpt2.get("loss_after_warmup") or {}).get(impl)
+        cells = [
+            _fmt(gpt2.get(key)),
+            f"{spread[0]:.3f}..{spread[1]:.3f}" if spread else "null",
+            _fmt((gpt2.get("cpu_s") or {}).get(impl)),
+            " / ".join(f"{b / MB:.0f}" for b in live) if live else "null",
+            " / ".join(f"{b / MB:.0f}" for b in rss) if rss else "null",
+            _fmt(loss, ".4f"),
+        ]
+        lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+    beside = gpt2.get("ours_s_beside") or {}
+    ratios = [
+        f"ours / {peer} {_fmt(gpt2.get('ratio_vs_' + peer), '.2f')} (ours {_fmt(beside.get(peer))} s in those rounds)"
+        for peer in ("upstream", "fsdp2", "ddp")
+        if peer in beside
+    ]
+    lines.append("")
+    lines.append(
+        "Ours alternates with each peer in turn; " + ", ".join(ratios) + f" (below 1: ours is faster); "
+        f"{gpt2.get('params') or 0:,} parameters; load average {gpt2['loadavg_1m']['before']} -> "
+        f"{gpt2['loadavg_1m']['after']}"
+    )
+    for impl, reason in (gpt2.get("error_reasons") or {}).items():
+        lines.append(f"- {impl} could not run: `{reason}`")
+    return "\n".join(lines)
+
+
+def gpt2_scaling_table(gpt2: dict) -> str:
+    """Ours at each world size: step time, live bytes per rank and the 16 B/param / N ideal."""
+    lines = [
+        "| world size | ours s | live MB per rank (each rank) | ideal 16 B/param / N, MB | live / ideal | peak RSS MB (max rank) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for ws, case in gpt2["scaling"].items():
+        live = case.get("live_bytes_by_rank")
+        rss = case.get("peak_rss_bytes_by_rank")
+        lines.append(
+            f"| {ws} | {_fmt(case['ours_s'])} | {' / '.join(f'{b / MB:.0f}' for b in live) if live else 'null'} | "
+            f"{_fmt(case['ideal_bytes_per_rank'] and case['ideal_bytes_per_rank'] / MB, '.0f')} | "
+            f"{_fmt(case['live_bytes_ratio_to_ideal'])} | {_fmt(rss and max(rss) / MB, '.0f')} |"
+        )
+    return "\n".join(lines)
+
+
+def collectives_table(entry: dict) -> str:
+    """One step's collectives on rank 0, per implementation: what it asked for, what gloo ran.
+
+    `entry["collectives"]` maps an implementation to `{"requested": {c10d op: calls},
+    "executed": {gloo kind: {"calls", "bytes"}}}` (_train_workers.count_collectives).
+    """
+    lines = ["| implementation | asked for (c10d op x calls) | gloo ran (kind: calls, MB) |", "|---|---|---|"]
+    for impl, counts in (entry.get("collectives") or {}).items():
+        asked = ", ".join(
+            f"{op.removeprefix('c10d::')} x{n}" for op, n in sorted(counts["requested"].items())
+        )
+        ran = ", ".join(
+            f"{kind.removeprefix('gloo:')}: {row['calls']}, {row['bytes'] / MB:.1f}"
+            for kind, row in sorted(counts["executed"].items())
+        )
+        lines.append(f"| {impl} | {asked or 'none'} | {ran or 'none'} |")
+    lines += ["", COLLECTIVES_NOTE]
+    return "\n".join(lines)
+
+
+COLLECTIVES_NOTE = (
+    "One untimed step on rank 0, through the torch profiler. *Asked for*: the c10d ops the library "
+    "called. *gloo ran*: what gloo executed for them and the MB of tensor it was handed (all_gather: "
+    "this rank's input; all_reduce: the whole buffer). On gloo a reduce-scatter runs as an all-reduce "
+    "of the whole input, so a library asking for reduce-scatter and one asking for all-reduce + slice "
+    "move the same bytes here; on NCCL the reduce-scatter moves about half, which this CPU run cannot show."
+)
+
+
 def _by_device(values) -> str:
     if not values:
         return "null"
@@ -256,6 +355,14 @@ def markdown(report: dict) -> str:
         ),
         ("cpu_adam", "CPU Adam step, median ms (one param; bf16 = bf16 param, fp32 states)", cpu_adam_table),
         ("agreement", "Rank-agreement checks, on vs off (2 ranks)", agreement_table),
+        (
+            "train_step",
+            "Collectives in one train step on gloo (decoder fp32, rank 0)",
+            lambda t: collectives_table(t["cases"].get("decoder_fp32") or {}),
+        ),
+        ("gpt2_small", "GPT-2 small (fp32), 2 ranks side by side, alternating rounds", gpt2_table),
+        ("gpt2_small", "GPT-2 small, ours (ZeRO-3) at world sizes 1, 2, 4", gpt2_scaling_table),
+        ("gpt2_small", "GPT-2 small, collectives in one step (rank 0)", collectives_table),
     )
     for key, title, fn in sections:
         if key == "scaling" and "offload" in title and not (report.get("scaling") or {}).get("offload"):
@@ -360,8 +467,36 @@ def _plot_scaling(ax, scaling: dict) -> None:
     ax.set_title("scaling, decoder fp32")
 
 
+def _plot_gpt2(ax, gpt2: dict) -> None:
+    """Median step time of the four at 2 ranks."""
+    names = [impl for impl, _ in GPT2_PEERS]
+    ax.bar(names, [gpt2.get(key) or 0.0 for _, key in GPT2_PEERS], color=["C0", "C1", "C2", "C3"])
+    ax.set_ylabel("median s / step")
+    ax.set_title(f"GPT-2 small ({(gpt2.get('params') or 0) / 1e6:.3g}M params, fp32), 2 ranks")
+
+
+def _plot_gpt2_scaling(ax, gpt2: dict) -> None:
+    """Ours' live MB per rank against 16 B/param / N, and its step time, by world size."""
+    cases = gpt2["scaling"]
+    sizes = [int(ws) for ws in cases]
+    live = [(cases[str(ws)].get("live_bytes_per_rank") or float("nan")) / MB for ws in sizes]
+    ideal = [(cases[str(ws)].get("ideal_bytes_per_rank") or float("nan")) / MB for ws in sizes]
+    ax.plot(sizes, live, marker="s", linestyle="--", color="C0", label="ours live MB / rank")
+    ax.plot(sizes, ideal, ":", color="grey", label="16 B/param / N")
+    ax.set_xlabel("world size")
+    ax.set_ylabel("MB per rank")
+    ax.set_xticks(sizes)
+    right = ax.twinx()
+    steps = [cases[str(ws)].get("ours_s") or float("nan") for ws in sizes]
+    right.plot(sizes, steps, marker="o", color="C1", label="ours step s")
+    right.set_ylabel("median s / step")
+    lines, more = ax.get_legend_handles_labels(), right.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7)
+    ax.set_title("GPT-2 small, ours ZeRO-3 by world size")
+
+
 def plot(report: dict, path: Path) -> bool:
-    """The 4 panels into `path`; False (and a note) when matplotlib is not installed."""
+    """The 6 panels into `path`; False (and a note) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -370,12 +505,14 @@ def plot(report: dict, path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed (pip install -r requirements/requirements-bench.txt): no plot")
         return False
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig, axes = plt.subplots(2, 3, figsize=(19, 9))
     panels = (
         ("train_step", _plot_train),
         ("gather", _plot_gather),
         ("init", _plot_init),
         ("scaling", _plot_scaling),
+        ("gpt2_small", _plot_gpt2),
+        ("gpt2_small", _plot_gpt2_scaling),
     )
     for ax, (key, draw) in zip(axes.flat, panels):
         if report.get(key):

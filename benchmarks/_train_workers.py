@@ -14,8 +14,10 @@ Protocol: after building the model and `warmup` untimed steps the worker prints 
 of the process CPU time, all threads, which other jobs on the machine barely change); `{"cmd": "profile", "steps": N}`
 does the same under cProfile (and `_train_profile`'s timers when started with
 `--instrument`); `{"cmd": "memory"}` reports every rank's live tensor bytes between steps
-(`live_tensor_bytes`), and rank 0's split by device, in all and for the optimizer's own
-tensors (masters, their gradients, its state); `{"cmd": "quit"}` ends it. Implementations
+(`live_tensor_bytes`) and peak RSS, and rank 0's live bytes split by device, in all and for
+the optimizer's own tensors (masters, their gradients, its state); `{"cmd": "collectives"}`
+runs one step under the torch profiler and reports rank 0's collectives by kind (calls, and
+bytes gloo moved); `{"cmd": "quit"}` ends it. Implementations
 `ours_z1` / `upstream_z1` / `ours_z2` / `upstream_z2` run ZeRO stage 1 or 2 with the same
 config, `ours_z2_off` stage 2 with `offload_optimizer: {device: cpu}`. Other stdout lines (library logs) are ignored by
 the controller. Idle groups block on stdin, so they take no CPU from the group being timed.
@@ -64,15 +66,31 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """A small GPT: token and position embeddings, blocks, final norm, untied LM head."""
+    """A GPT: token and position embeddings, blocks, final norm, LM head.
 
-    def __init__(self, vocab: int, seq: int, width: int, layers: int, heads: int) -> None:
+    `positions` rows of position embedding (default `seq`); `tied`: the LM head shares the
+    token embedding's weight (GPT-2's layout, one parameter seen by both modules).
+    """
+
+    def __init__(
+        self,
+        vocab: int,
+        seq: int,
+        width: int,
+        layers: int,
+        heads: int,
+        positions: int = 0,
+        tied: bool = False,
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(seq, width)
+        self.pos = nn.Embedding(positions or seq, width)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
+        if tied:  # GPT-2's embedding init (std 0.02): N(0, 1) rows would make huge logits through the head
+            nn.init.normal_(self.tok.weight, std=0.02)
+            self.head.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
@@ -99,7 +117,8 @@ class MLP(nn.Module):
 def build_model(spec: dict) -> nn.Module:
     torch.manual_seed(0)  # the same initial weights for every implementation
     if spec["model"] == "decoder":
-        return Decoder(spec["vocab"], spec["seq"], spec["width"], spec["layers"], spec["heads"])
+        sizes = [spec[k] for k in ("vocab", "seq", "width", "layers", "heads")]
+        return Decoder(*sizes, positions=spec.get("positions", 0), tied=spec.get("tied", False))
     if spec["model"] == "mlp":
         return MLP(spec["width"], spec["layers"])
     raise ValueError(f"spec model={spec['model']!r}; use 'decoder' or 'mlp'")
@@ -400,17 +419,61 @@ def memory_report(distributed: bool) -> dict:
     A collective when distributed (the totals); the by-device figures are rank 0's, carried
     in the JSON as they are (devices can differ in name between implementations).
     """
-    local = torch.tensor([float(live_tensor_bytes())], dtype=torch.float64)
+    import resource
+
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    local = torch.tensor([float(live_tensor_bytes()), float(peak_rss)], dtype=torch.float64)
     extra = {
         "live_by_device": live_bytes_by_device(),
         "optimizer_by_device": optimizer_bytes_by_device(),
         "accelerator": _accelerator_name(),
     }
-    if not distributed:
-        return {"state_bytes": [int(local.item())], **extra}
-    out = [torch.zeros_like(local) for _ in range(tdist.get_world_size())]
-    tdist.all_gather(out, local)
-    return {"state_bytes": [int(t.item()) for t in out], **extra}
+    rows = [local]
+    if distributed:
+        rows = [torch.zeros_like(local) for _ in range(tdist.get_world_size())]
+        tdist.all_gather(rows, local)
+    return {
+        "state_bytes": [int(t[0].item()) for t in rows],
+        # The process's peak resident set since it started (model build included): ru_maxrss.
+        "peak_rss_bytes": [int(t[1].item()) for t in rows],
+        **extra,
+    }
+
+
+# Bytes per element of the dtype names the profiler records.
+_DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4}
+_DTYPE_BYTES.update({"bool": 1, "unsigned char": 1, "signed char": 1, "short int": 2})
+
+
+def count_collectives(runner: Runner) -> dict:
+    """One step under the torch profiler: the collectives this rank asked for and what gloo ran.
+
+    [Note: two names for one collective] A call such as `reduce_scatter_tensor` goes through
+    a `c10d::` dispatcher op (what the library asked for) and then the backend runs its own
+    algorithm, recorded as `gloo:<kind>` with the tensor it moved (on gloo in torch 2.13,
+    `c10d::_reduce_scatter_base_` runs as `gloo:all_reduce` of the whole input). Both are
+    counted: `requested` calls by op, `executed` calls and bytes by gloo kind. This sees
+    every path (deepspeed.comm, FSDP2's functions, DDP's C++ reducer) without patching any.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    x, y = runner.batches[runner.done % len(runner.batches)]
+    if runner.distributed:
+        tdist.barrier()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        runner.last_loss = float(runner.step(x, y).detach().float())
+    runner.done += 1
+    requested: dict = {}
+    executed: dict = {}
+    for event in prof.events():
+        if event.name.startswith("c10d::"):
+            requested[event.name] = requested.get(event.name, 0) + 1
+        elif event.name.startswith("gloo:"):
+            row = executed.setdefault(event.name, {"calls": 0, "bytes": 0})
+            row["calls"] += 1
+            for shape, dtype in zip(event.input_shapes, event.input_dtypes):
+                row["bytes"] += math.prod(shape) * _DTYPE_BYTES.get(dtype, 0) if shape else 0
+    return {"requested": requested, "executed": executed}
 
 
 def serve(runner: Runner, rank: int, instrument) -> None:
@@ -428,6 +491,8 @@ def serve(runner: Runner, rank: int, instrument) -> None:
             payload = profile_steps(runner, int(cmd["steps"]), rank, instrument, use_cprofile)
         elif cmd["cmd"] == "memory":
             payload = memory_report(runner.distributed)
+        elif cmd["cmd"] == "collectives":
+            payload = {"collectives": count_collectives(runner)}
         else:
             raise ValueError(f"unknown command {cmd!r}")
         emit(rank, {"event": "times", "loss": runner.last_loss, **payload})

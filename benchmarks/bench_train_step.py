@@ -234,6 +234,41 @@ def run_rounds(groups: dict, rounds: int, steps: int) -> tuple:
     return times, cpu, losses, errors
 
 
+def count_collectives(groups: dict, failed: dict) -> dict:
+    """Rank 0's collectives during one more (untimed) step of each group, by kind.
+
+    `{impl: {"requested": {c10d op: calls}, "executed": {gloo kind: {"calls", "bytes"}}}}`:
+    what the library asked torch.distributed for, and what gloo ran for it (on gloo a
+    reduce-scatter runs as an all-reduce of the whole input, so the two can differ); see
+    `_train_workers.count_collectives`. A group that fails here is left out, not fatal.
+    """
+    out = {}
+    for impl, group in groups.items():
+        if impl in failed or impl == "single":
+            continue
+        try:
+            out[impl] = group.command({"cmd": "collectives"}, timeout_s=600)["collectives"]
+        except RuntimeError as exc:
+            print(f"  {impl}: counting collectives failed:\n{exc}", file=sys.stderr, flush=True)
+    return out
+
+
+def print_collectives(collectives: dict) -> None:
+    """Calls per step on rank 0 by c10d op, and what gloo ran (calls and MB it was handed)."""
+    if not collectives:
+        return
+    print("  collectives in one step, rank 0 (asked for: c10d op x calls; gloo ran: kind calls/MB):")
+    for impl, counts in collectives.items():
+        asked = ", ".join(
+            f"{op.removeprefix('c10d::')} x{n}" for op, n in sorted(counts["requested"].items())
+        )
+        ran = ", ".join(
+            f"{kind.removeprefix('gloo:')} {row['calls']}/{row['bytes'] / 2**20:.1f}"
+            for kind, row in sorted(counts["executed"].items())
+        )
+        print(f"    {NAMES.get(impl, impl):34s} {asked or 'none'}; gloo: {ran or 'none'}")
+
+
 def _median_text(times: dict, impl: str) -> str:
     return f"{impl} {statistics.median(times[impl]):.3f}s" if times.get(impl) else f"{impl} -"
 
@@ -345,16 +380,19 @@ def measure(model: str, dtype: str, args, impls: list, log_dir: Path) -> dict:
     groups, infos, errors = start_groups(impls, spec, args, log_dir)
     try:
         times, cpu, losses, run_errors = run_rounds(groups, args.rounds, args.steps)
+        collectives = count_collectives(groups, run_errors)
     finally:
         for group in groups.values():
             group.close()
     errors.update(run_errors)
     entry = summarize(times, cpu, losses, infos, errors)
     entry["spec"] = spec
+    entry["collectives"] = collectives
     # Other jobs on a shared machine slow whichever group runs beside them: record the load.
     entry["loadavg_1m"] = {"before": load_before, "after": round(os.getloadavg()[0], 2)}
     entry["versions"] = {impl: _versions(info) for impl, info in infos.items()}
     print_table(f"train step: {model}, {dtype}, {args.world_size} ranks", entry)
+    print_collectives(collectives)
     return entry
 
 

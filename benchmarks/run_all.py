@@ -1,4 +1,4 @@
-"""Every benchmark in one go: train step, gather, init memory, scaling, CPU Adam, rank agreement.
+"""Every benchmark in one go: train step, gather, init memory, scaling, CPU Adam, rank agreement, GPT-2 small.
 
     python benchmarks/run_all.py                       # ~14 min on 2 shared cores (make bench)
     python benchmarks/run_all.py --quick --skip-upstream --out-dir /tmp/r   # a ~90 s smoke run
@@ -18,6 +18,9 @@ Sections (each reuses the functions of the script named, nothing is re-implement
   cpu_adam    bench_cpu_adam.py: ours / torch foreach / torch fused / upstream / memory floor
   agreement   bench_agreement.py: the rank-agreement collectives per Init and per step, and
               Init and step time with the checks on and off
+  gpt2_small  bench_gpt2_small.py: a GPT-2-small-sized decoder (124M parameters, fp32): ours /
+              upstream / FSDP2 / DDP at 2 ranks in alternating rounds (step time, live bytes,
+              peak RSS, collectives), ours at world sizes 1, 2, 4 against 16 B/param / N
 
 Writes `<out-dir>/latest.json`, `latest.md` (the headline tables, also printed) and
 `latest.png` (when matplotlib is installed). `--skip-upstream` reports upstream as null.
@@ -43,6 +46,7 @@ import _report  # noqa: E402
 import bench_agreement  # noqa: E402
 import bench_cpu_adam  # noqa: E402
 import bench_gather  # noqa: E402
+import bench_gpt2_small  # noqa: E402
 import bench_init_memory  # noqa: E402
 import bench_train_step  # noqa: E402
 
@@ -371,6 +375,18 @@ def run_agreement(opts) -> dict:
     return bench_agreement.main(["--layers", "4", "--rounds", "2"] if opts.quick else [])
 
 
+# ----------------------------------------------------------------------------- gpt2 small
+
+
+def run_gpt2_small(opts, log_dir: Path) -> dict:
+    """bench_gpt2_small.py: GPT-2 small side by side at 2 ranks, ours at 1, 2, 4 ranks."""
+    _section("gpt2_small: 124M-parameter decoder, ours / upstream / FSDP2 / DDP, ours at 1, 2, 4 ranks")
+    argv = ["--quick"] if opts.quick else []
+    gopts = bench_gpt2_small.parse_args(argv + (["--skip-upstream"] if opts.skip_upstream else []))
+    gopts.upstream_python = opts.upstream_python
+    return bench_gpt2_small.run(gopts, log_dir)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -398,7 +414,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--upstream-python", type=Path, default=bench_train_step.UPSTREAM_PYTHON)
     parser.add_argument(
         "--only",
-        default="train_step,gather,init,scaling,cpu_adam,agreement",
+        default="train_step,gather,init,scaling,cpu_adam,agreement,gpt2_small",
         help="comma list of sections to run (others null)",
     )
     return parser.parse_args(argv)
@@ -410,7 +426,8 @@ def main(argv=None) -> int:
     started = time.monotonic()
     load_before = os.getloadavg()
     only = set(opts.only.split(","))
-    report: dict = dict.fromkeys(("train_step", "gather", "init", "scaling", "cpu_adam", "agreement"))
+    sections = ("train_step", "gather", "init", "scaling", "cpu_adam", "agreement", "gpt2_small")
+    report: dict = dict.fromkeys(sections)
     with tempfile.TemporaryDirectory(prefix="bench_all_") as tmp:
         if "train_step" in only:
             report["train_step"] = run_train(opts, Path(tmp))
@@ -424,6 +441,8 @@ def main(argv=None) -> int:
             report["cpu_adam"] = run_cpu_adam(opts)
         if "agreement" in only:
             report["agreement"] = run_agreement(opts)
+        if "gpt2_small" in only:
+            report["gpt2_small"] = run_gpt2_small(opts, Path(tmp))
     report.update(
         machine=_report.machine(load_before),
         versions=_versions(opts),

@@ -73,6 +73,14 @@ REQUIRED_KEYS = (
     "init.cases",
     "scaling.cases",
     "scaling.offload",
+    "gpt2_small.ours_s",
+    "gpt2_small.fsdp2_s",
+    "gpt2_small.ratio_vs_upstream",
+    "gpt2_small.ratio_vs_fsdp2",
+    "gpt2_small.live_bytes_ratio_to_ideal",
+    "gpt2_small.params",
+    "gpt2_small.scaling",
+    "gpt2_small.collectives",
     "machine.cpu_model",
     "machine.cores",
     "machine.loadavg_before",
@@ -91,11 +99,11 @@ def _lookup(report: dict, dotted: str):
     return node
 
 
-@pytest.mark.timeout(330)
+@pytest.mark.timeout(450)
 def test_run_all_quick(tmp_path):
-    # About 14 process groups start (ZeRO-3, -1, -2, offload, FSDP2, DDP at 1 and 2 ranks):
-    # a minute or two on 2 cores, more when other jobs load the machine.
-    out = _run("run_all.py", "--skip-upstream", "--out-dir", str(tmp_path), timeout=300)
+    # About 18 process groups start (ZeRO-3, -1, -2, offload, FSDP2, DDP at 1 and 2 ranks, the
+    # GPT-2 stand-in): about two minutes on 2 cores, more when other jobs load the machine.
+    out = _run("run_all.py", "--skip-upstream", "--out-dir", str(tmp_path), timeout=420)
     assert "| metric | measured | target | met |" in out
     report = json.loads((tmp_path / "latest.json").read_text())
     values = {key: _lookup(report, key) for key in REQUIRED_KEYS}
@@ -120,6 +128,15 @@ def test_run_all_quick(tmp_path):
     assert sum(offload["optimizer_bytes_by_device"].values()) > 0
     if offload["accelerator"] == "cpu":
         assert offload["optimizer_bytes_on_accelerator"] is None and "CPU-only" in offload["note"]
+    # GPT-2 small (--quick: a 2-layer stand-in, no DDP): side by side, ours at 1 and 2 ranks, collectives.
+    assert values["gpt2_small.ours_s"] > 0 and values["gpt2_small.fsdp2_s"] > 0
+    assert values["gpt2_small.ratio_vs_upstream"] is None  # skipped
+    assert sorted(values["gpt2_small.scaling"]) == ["1", "2"]
+    assert 0 < values["gpt2_small.live_bytes_ratio_to_ideal"]
+    assert all(min(rss) > 0 for rss in report["gpt2_small"]["peak_rss_bytes_by_rank"].values())
+    assert values["gpt2_small.collectives"]["ours"]["executed"]  # gloo ran something
+    assert report["train_step"]["cases"]["decoder_fp32"]["collectives"]["ddp"]["requested"]
     md = (tmp_path / "latest.md").read_text()
     assert "ZeRO stages 1 and 2 beside DDP" in md and "Optimizer offload" in md
+    assert "GPT-2 small" in md and "gloo ran" in md
     assert (tmp_path / "latest.md").read_text().startswith("Benchmarks ")
