@@ -29,17 +29,16 @@ struct V {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   // fp32 -> bf16, round to nearest even; NaN stays a quiet NaN (0x7fc0), as c10::BFloat16.
-  DS_TARGET static void st(Bf16* p, F x) {
+  DS_TARGET static __m128i to_bf16(F x) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
     rounded = _mm256_srli_epi32(rounded, 16);
     const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));
     rounded = _mm256_blendv_epi8(_mm256_set1_epi32(0x7fc0), rounded, ordered);
-    const __m128i packed =
-        _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+    return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
   }
+  DS_TARGET static void st(Bf16* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
 
   DS_TARGET static F ld(const Half* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -49,6 +48,15 @@ struct V {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
   }
   DS_TARGET static void st(NoOut*, F) {}
+
+  // Non-temporal stores for the bandwidth floor; the caller aligns p to the vector's width.
+  DS_TARGET static void stream(float* p, F x) { _mm256_stream_ps(p, x); }
+  DS_TARGET static void stream(Bf16* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  DS_TARGET static void stream(Half* p, F x) {
+    const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
+  }
+  DS_TARGET static void fence() { _mm_sfence(); }
 
   DS_TARGET static F set1(float x) { return _mm256_set1_ps(x); }
   DS_TARGET static F add(F a, F b) { return _mm256_add_ps(a, b); }
@@ -63,7 +71,7 @@ struct V {
 
 }  // namespace
 
-ds_adam::Kernels ds_adam::avx2_kernels() { return {"avx2", &adam_any, &probe_any}; }
+ds_adam::Kernels ds_adam::avx2_kernels() { return {"avx2", &adam_any, &floor_any}; }
 
 #else
 

@@ -3,8 +3,9 @@
 // Include this inside an anonymous namespace, after defining
 //   DS_TARGET  a function attribute selecting the instruction set (may be empty), and
 //   struct V   W lanes of float (V::F) with: ld/st overloads for float, Bf16, Half (and st
-//              for NoOut, a no-op), set1, add, sub, mul, div, sqrt, and fmadd(a, b, c) = a*b+c
-//              rounded once.
+//              for NoOut, a no-op), set1, add, sub, mul, div, sqrt, fmadd(a, b, c) = a*b+c
+//              rounded once, and for the bandwidth floor stream (a non-temporal store, or a
+//              plain one where the ISA has none) and fence (orders those stores, or nothing).
 // The element tags Bf16, Half and NoOut come from adam_span.h.
 // Everything here has internal linkage, so nothing compiled for a wider instruction set can
 // stand in for a baseline function elsewhere in the library.
@@ -65,26 +66,22 @@ DS_TARGET inline Consts broadcast(const ds_adam::Scalars& s) {
 
 // One vector of W elements at p, g, m, v (and o). `decay` and `from_avg` are constant for the
 // whole span: the branches on them are predicted and cost nothing next to the memory traffic.
-template <bool kProbe, class PT, class GT, class OT>
+// Every load comes before every store, as in the floor below.
+template <class PT, class GT, class OT>
 DS_TARGET inline void adam_vector(PT* p, const GT* g, float* m, float* v, OT* o, const Consts& c,
                                   ds_adam::Decay decay, bool from_avg) {
   typename V::F param = V::ld(p);
   typename V::F grad = V::ld(g);
-  if (kProbe) {  // the bandwidth floor: the same loads and stores, one add each
-    V::st(m, V::add(V::ld(m), grad));
-    V::st(v, V::add(V::ld(v), grad));
-    V::st(p, V::add(param, grad));
-    return;
-  }
+  const typename V::F avg = V::ld(m);
+  const typename V::F sq = V::ld(v);
   if (decay == ds_adam::Decay::kL2) {
     grad = V::fmadd(param, c.weight_decay, grad);
   } else if (decay == ds_adam::Decay::kDecoupled) {
     param = V::mul(param, c.decay_factor);
   }
-  const typename V::F avg = V::ld(m);
   const typename V::F diff = V::sub(grad, avg);
   const typename V::F new_avg = V::fmadd(c.lerp_coeff, diff, from_avg ? avg : grad);
-  const typename V::F new_sq = V::fmadd(V::mul(c.one_minus_beta2, grad), grad, V::mul(V::ld(v), c.beta2));
+  const typename V::F new_sq = V::fmadd(V::mul(c.one_minus_beta2, grad), grad, V::mul(sq, c.beta2));
   const typename V::F denom = V::add(V::mul(V::sqrt(new_sq), c.inv_bc2_sqrt), c.eps);
   param = V::add(param, V::div(V::mul(c.neg_step, new_avg), denom));
   V::st(m, new_avg);
@@ -93,27 +90,30 @@ DS_TARGET inline void adam_vector(PT* p, const GT* g, float* m, float* v, OT* o,
   V::st(o, param);
 }
 
-// Elements ahead to prefetch (a few KiB per stream; prefetching past the end is harmless).
-constexpr int64_t kPrefetch = 1024;
-
-template <class PT, class GT, class OT, bool kProbe = false>
+// [Note: no software prefetch]
+// The loop carries no __builtin_prefetch: measured on Zen 4 (8M fp32 params, a standalone
+// copy of this loop), a prefetch 1024 elements ahead on each of the four streams made the
+// step 10-12% slower at 1 and at 2 threads than leaving the streams to the hardware
+// prefetchers (256 and 4096 ahead were no better).
+template <class PT, class GT, class OT>
 DS_TARGET void adam_span(const ds_adam::Span& t) {
-  PT* p = static_cast<PT*>(t.param);
-  const GT* g = static_cast<const GT*>(t.grad);
-  OT* o = static_cast<OT*>(t.out);
-  const ds_adam::Scalars& s = *t.scalars;
-  const Consts c = broadcast(s);
+  // Everything the loop reads from `t` and its scalars is copied into locals first: the
+  // stores through float pointers could otherwise alias them, and the compiler would reload
+  // each one on every iteration.
+  PT* const p = static_cast<PT*>(t.param);
+  const GT* const g = static_cast<const GT*>(t.grad);
+  float* const m = t.exp_avg;
+  float* const v = t.exp_avg_sq;
+  OT* const o = static_cast<OT*>(t.out);
+  const int64_t end = t.end;
+  const ds_adam::Decay decay = t.scalars->decay;
+  const bool from_avg = t.scalars->lerp_from_avg;
+  const Consts c = broadcast(*t.scalars);
   int64_t i = t.begin;
-  for (; i + V::W <= t.end; i += V::W) {
-    if (!kProbe) {  // fetch ahead: the divider's long chains otherwise limit loads in flight
-      __builtin_prefetch(p + i + kPrefetch, 1);
-      __builtin_prefetch(g + i + kPrefetch, 0);
-      __builtin_prefetch(t.exp_avg + i + kPrefetch, 1);
-      __builtin_prefetch(t.exp_avg_sq + i + kPrefetch, 1);
-    }
-    adam_vector<kProbe>(p + i, g + i, t.exp_avg + i, t.exp_avg_sq + i, offset(o, i), c, s.decay, s.lerp_from_avg);
+  for (; i + V::W <= end; i += V::W) {
+    adam_vector(p + i, g + i, m + i, v + i, offset(o, i), c, decay, from_avg);
   }
-  const int64_t rest = t.end - i;
+  const int64_t rest = end - i;
   if (rest == 0) return;
   // The tail (fewer than W elements) through one full vector on zeroed local copies, so
   // its rounding is the same as the body's.
@@ -124,12 +124,12 @@ DS_TARGET void adam_span(const ds_adam::Span& t) {
   OT ob[V::W] = {};
   __builtin_memcpy(pb, p + i, rest * sizeof(PT));
   __builtin_memcpy(gb, g + i, rest * sizeof(GT));
-  __builtin_memcpy(mb, t.exp_avg + i, rest * sizeof(float));
-  __builtin_memcpy(vb, t.exp_avg_sq + i, rest * sizeof(float));
-  adam_vector<kProbe>(pb, gb, mb, vb, ob, c, s.decay, s.lerp_from_avg);
+  __builtin_memcpy(mb, m + i, rest * sizeof(float));
+  __builtin_memcpy(vb, v + i, rest * sizeof(float));
+  adam_vector(pb, gb, mb, vb, ob, c, decay, from_avg);
   __builtin_memcpy(p + i, pb, rest * sizeof(PT));
-  __builtin_memcpy(t.exp_avg + i, mb, rest * sizeof(float));
-  __builtin_memcpy(t.exp_avg_sq + i, vb, rest * sizeof(float));
+  __builtin_memcpy(m + i, mb, rest * sizeof(float));
+  __builtin_memcpy(v + i, vb, rest * sizeof(float));
   if (TypeOf<OT>::value != ds_adam::Dtype::kNone) __builtin_memcpy(offset(o, i), ob, rest * sizeof(OT));
 }
 
@@ -160,11 +160,73 @@ DS_TARGET void adam_any(const ds_adam::Span& t) {
   return adam_span<Half, float, NoOut>(t);
 }
 
-// The bandwidth floor: param += grad, exp_avg += grad, exp_avg_sq += grad, with the loads
-// and stores of an Adam step on the same types (no copy-out).
-DS_TARGET void probe_any(const ds_adam::Span& t) {
+// [Note: the bandwidth floor]
+// What the hardware allows for a step's bytes: p += g, m += g, v += g, the same four loads
+// and three stores per element as an Adam step (param and grad of one type), all loads of a
+// vector before its stores, and nothing else. kStream writes with non-temporal stores (x86;
+// elsewhere plain stores); the benchmark takes whichever is faster, so the floor is the best
+// of both. Timings of it are bytes / time: the memory bandwidth for this access pattern.
+template <bool kStream, class T>
+DS_TARGET inline void floor_vector(T* p, const T* g, float* m, float* v) {
+  const typename V::F param = V::ld(p);
+  const typename V::F grad = V::ld(g);
+  const typename V::F avg = V::ld(m);
+  const typename V::F sq = V::ld(v);
+  if (kStream) {
+    V::stream(m, V::add(avg, grad));
+    V::stream(v, V::add(sq, grad));
+    V::stream(p, V::add(param, grad));
+  } else {
+    V::st(m, V::add(avg, grad));
+    V::st(v, V::add(sq, grad));
+    V::st(p, V::add(param, grad));
+  }
+}
+
+template <bool kStream, class T>
+DS_TARGET void floor_span(const ds_adam::Span& t) {
+  T* const p = static_cast<T*>(t.param);
+  const T* const g = static_cast<const T*>(t.grad);
+  float* const m = t.exp_avg;
+  float* const v = t.exp_avg_sq;
+  const int64_t end = t.end;
+  int64_t i = t.begin;
+  for (; i + V::W <= end; i += V::W) floor_vector<kStream>(p + i, g + i, m + i, v + i);
+  if (kStream) V::fence();
+  const int64_t rest = end - i;
+  if (rest == 0) return;
+  T pb[V::W] = {};
+  T gb[V::W] = {};
+  float mb[V::W] = {};
+  float vb[V::W] = {};
+  __builtin_memcpy(pb, p + i, rest * sizeof(T));
+  __builtin_memcpy(gb, g + i, rest * sizeof(T));
+  __builtin_memcpy(mb, m + i, rest * sizeof(float));
+  __builtin_memcpy(vb, v + i, rest * sizeof(float));
+  floor_vector<false>(pb, gb, mb, vb);
+  __builtin_memcpy(p + i, pb, rest * sizeof(T));
+  __builtin_memcpy(m + i, mb, rest * sizeof(float));
+  __builtin_memcpy(v + i, vb, rest * sizeof(float));
+}
+
+// Non-temporal stores need each vector's address aligned to its width.
+template <class T>
+inline bool stream_aligned(const ds_adam::Span& t) {
+  const auto fits = [&](const void* base, int64_t elem) {
+    return (reinterpret_cast<uintptr_t>(base) + t.begin * elem) % (V::W * elem) == 0;
+  };
+  return fits(t.param, sizeof(T)) && fits(t.exp_avg, sizeof(float)) && fits(t.exp_avg_sq, sizeof(float));
+}
+
+template <class T>
+DS_TARGET void floor_typed(const ds_adam::Span& t, bool stream) {
+  if (stream && stream_aligned<T>(t)) return floor_span<true, T>(t);
+  return floor_span<false, T>(t);
+}
+
+DS_TARGET void floor_any(const ds_adam::Span& t, bool stream) {
   using ds_adam::Dtype;
-  if (t.param_type == Dtype::kBF16) return adam_span<Bf16, Bf16, NoOut, true>(t);
-  if (t.param_type == Dtype::kF16) return adam_span<Half, Half, NoOut, true>(t);
-  return adam_span<float, float, NoOut, true>(t);
+  if (t.param_type == Dtype::kBF16) return floor_typed<Bf16>(t, stream);
+  if (t.param_type == Dtype::kF16) return floor_typed<Half>(t, stream);
+  return floor_typed<float>(t, stream);
 }

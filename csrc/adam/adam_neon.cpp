@@ -43,6 +43,13 @@ struct V {
   }
   static void st(NoOut*, F) {}
 
+  // No non-temporal store here: the floor's streaming variant uses plain stores.
+  template <class T>
+  static void stream(T* p, F x) {
+    st(p, x);
+  }
+  static void fence() {}
+
   static F set1(float x) { return vdupq_n_f32(x); }
   static F add(F a, F b) { return vaddq_f32(a, b); }
   static F sub(F a, F b) { return vsubq_f32(a, b); }
@@ -56,7 +63,7 @@ struct V {
 
 }  // namespace
 
-ds_adam::Kernels ds_adam::neon_kernels() { return {"neon", &adam_any, &probe_any}; }
+ds_adam::Kernels ds_adam::neon_kernels() { return {"neon", &adam_any, &floor_any}; }
 
 #else
 

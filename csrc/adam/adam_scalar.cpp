@@ -64,6 +64,13 @@ struct V {
   static void st(Half* p, F x) { p->bits = float_to_half(x); }
   static void st(NoOut*, F) {}
 
+  // No non-temporal store here: the floor's streaming variant uses plain stores.
+  template <class T>
+  static void stream(T* p, F x) {
+    st(p, x);
+  }
+  static void fence() {}
+
   static F set1(float x) { return x; }
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
@@ -77,4 +84,4 @@ struct V {
 
 }  // namespace
 
-ds_adam::Kernels ds_adam::scalar_kernels() { return {"scalar", &adam_any, &probe_any}; }
+ds_adam::Kernels ds_adam::scalar_kernels() { return {"scalar", &adam_any, &floor_any}; }

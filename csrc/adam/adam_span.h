@@ -58,13 +58,14 @@ struct Span {
 
 using AdamFn = void (*)(const Span&);
 // The bandwidth floor: param += grad, exp_avg += grad, exp_avg_sq += grad, the same reads
-// and writes per element as an Adam step (param and grad both fp32, bf16 or fp16).
-using ProbeFn = void (*)(const Span&);
+// and writes per element as an Adam step (param and grad both fp32, bf16 or fp16), with
+// non-temporal stores when `stream` (see [Note: the bandwidth floor] in adam_kernel.h).
+using FloorFn = void (*)(const Span&, bool stream);
 
 struct Kernels {
   const char* name;  // "avx512", "avx2", "neon" or "scalar"
   AdamFn adam;       // null when this file was not compiled for this architecture
-  ProbeFn probe;
+  FloorFn floor;
 };
 
 Kernels avx512_kernels();

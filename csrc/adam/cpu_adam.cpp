@@ -23,6 +23,10 @@
 #include <string>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "adam_span.h"
 
 namespace {
@@ -30,8 +34,9 @@ namespace {
 using ds_adam::Dtype;
 using ds_adam::Kernels;
 
-// Elements per span: 64 Ki floats are 256 KiB per stream, so a thread's next span starts
-// where its previous one ended and the hardware prefetchers stay on their streams.
+// Elements per span: 64 Ki floats are 256 KiB per stream, long enough for the hardware
+// prefetchers to lock on, short enough to even out the threads (see [Note: spans shared out
+// dynamically]).
 constexpr int64_t kSpan = 1 << 16;
 // Below this many elements in a call, a single thread is faster than waking the others.
 constexpr int64_t kParallelMin = 1 << 15;
@@ -167,8 +172,13 @@ ds_adam::Span describe(size_t i, const at::Tensor& param, const at::Tensor& grad
   return span;
 }
 
-// Cuts every tensor into spans of at most kSpan elements and runs them on `fn`, spread
-// statically over the threads so each thread walks one contiguous stretch of memory.
+// [Note: spans shared out dynamically]
+// Every tensor is cut into spans of at most kSpan elements and the threads take spans in
+// turn (schedule(dynamic)) rather than in fixed halves. Interleaving costs the hardware
+// prefetchers nothing measurable (a span is 256 KiB per stream); but when another process
+// takes a core from one thread mid-step, the other thread keeps taking spans instead of
+// idling at the barrier until its partner's fixed half is done, which on a shared machine
+// is the common case.
 template <class Fn>
 void run_spans(const std::vector<ds_adam::Span>& whole, Fn fn) {
   std::vector<ds_adam::Span> spans;
@@ -184,19 +194,39 @@ void run_spans(const std::vector<ds_adam::Span>& whole, Fn fn) {
   }
   const int64_t count = static_cast<int64_t>(spans.size());
   const int threads = total < kParallelMin ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), count));
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t k = 0; k < count; ++k) {
     fn(spans[k]);
   }
 }
 
+// Whether describe() would take tensor i as it is; never throws. A tensor it would refuse
+// (another dtype, layout or device, a size mismatch) is left to the caller's fallback.
+bool supported(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out) {
+  if (!param.defined()) return false;
+  const int64_t n = param.numel();
+  const auto dense = [n](const at::Tensor& t) {
+    return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() && t.numel() == n && t.is_contiguous();
+  };
+  if (!dense(param) || !dense(grad) || !dense(exp_avg) || !dense(exp_avg_sq)) return false;
+  const Dtype pt = dtype_of(param);
+  const Dtype gt = dtype_of(grad);
+  if (pt == Dtype::kNone || gt == Dtype::kNone || !(pt == Dtype::kF32 || gt == Dtype::kF32 || gt == pt)) return false;
+  if (exp_avg.scalar_type() != at::kFloat || exp_avg_sq.scalar_type() != at::kFloat) return false;
+  return !out.has_value() || (pt == Dtype::kF32 && dense(*out) && dtype_of(*out) != Dtype::kNone);
+}
+
 // One Adam/AdamW step of a whole param group, in place. `steps[i]` is tensor i's step count
-// after this update; `outs`, when given, holds per tensor a copy target or None.
-void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-               const std::vector<std::optional<at::Tensor>>& outs, const std::vector<int64_t>& steps, double lr,
-               double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
-               bool adamw_mode) {
+// after this update; `outs`, when given, holds per tensor a copy target or None. With
+// `skip_unsupported`, tensors the kernel cannot take are left untouched and their indices
+// returned; without, they raise.
+std::vector<int64_t> step_group(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                                const std::vector<std::optional<at::Tensor>>& outs,
+                                const std::vector<int64_t>& steps, double lr, double beta1, double beta2,
+                                double eps, double weight_decay, bool bias_correction, bool adamw_mode,
+                                bool skip_unsupported) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
                   (outs.empty() || outs.size() == n),
@@ -204,17 +234,50 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
               "entry per tensor; got ",
               n, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ", ", steps.size(),
               " and ", outs.size());
-  std::vector<ds_adam::Scalars> scalars(n);
-  std::vector<ds_adam::Span> spans(n);
+  // One Scalars per distinct step count (a group's tensors usually share one).
+  std::vector<ds_adam::Scalars> scalars;
+  std::vector<size_t> scalars_of(n);
+  std::vector<ds_adam::Span> spans;
+  std::vector<int64_t> skipped;
+  int64_t last_step = 0;
+  spans.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    scalars[i] = make_scalars(steps[i], lr, beta1, beta2, eps, weight_decay, bias_correction, adamw_mode);
-    spans[i] = describe(i, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
-                        outs.empty() ? std::nullopt : outs[i]);
+    const std::optional<at::Tensor> out = outs.empty() ? std::nullopt : outs[i];
+    if (skip_unsupported && !supported(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out)) {
+      skipped.push_back(static_cast<int64_t>(i));
+      continue;
+    }
+    if (scalars.empty() || steps[i] != last_step) {
+      scalars.push_back(make_scalars(steps[i], lr, beta1, beta2, eps, weight_decay, bias_correction, adamw_mode));
+      last_step = steps[i];
+    }
+    scalars_of[spans.size()] = scalars.size() - 1;
+    spans.push_back(describe(i, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out));
   }
-  for (size_t i = 0; i < n; ++i) spans[i].scalars = &scalars[i];  // `scalars` no longer moves
+  for (size_t k = 0; k < spans.size(); ++k) spans[k].scalars = &scalars[scalars_of[k]];  // `scalars` no longer moves
   const ds_adam::AdamFn kernel = active()->adam;
   pybind11::gil_scoped_release no_gil;
   run_spans(spans, kernel);
+  return skipped;
+}
+
+void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+               const std::vector<std::optional<at::Tensor>>& outs, const std::vector<int64_t>& steps, double lr,
+               double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
+               bool adamw_mode) {
+  step_group(params, grads, exp_avgs, exp_avg_sqs, outs, steps, lr, beta1, beta2, eps, weight_decay,
+             bias_correction, adamw_mode, false);
+}
+
+std::vector<int64_t> adam_step_supported(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                                         const std::vector<at::Tensor>& exp_avgs,
+                                         const std::vector<at::Tensor>& exp_avg_sqs,
+                                         const std::vector<std::optional<at::Tensor>>& outs,
+                                         const std::vector<int64_t>& steps, double lr, double beta1, double beta2,
+                                         double eps, double weight_decay, bool bias_correction, bool adamw_mode) {
+  return step_group(params, grads, exp_avgs, exp_avg_sqs, outs, steps, lr, beta1, beta2, eps, weight_decay,
+                    bias_correction, adamw_mode, true);
 }
 
 // One tensor: the group step with a group of one (kept for callers of the single-tensor API).
@@ -233,17 +296,50 @@ void adam_update_copy(const at::Tensor& param, const at::Tensor& grad, const at:
             bias_correction, adamw_mode);
 }
 
-// The bandwidth floor for benchmarks: param += grad, exp_avg += grad, exp_avg_sq += grad, the
-// bytes, spans and threads of an Adam step (param and grad: both fp32, bf16 or fp16).
+// The bandwidth floor for benchmarks (see [Note: the bandwidth floor] in adam_kernel.h): the
+// bytes of an Adam step with the same threads, either shared out in spans as adam_step does
+// (`contiguous` false) or as one contiguous stretch per thread, as STREAM does.
 void bandwidth_probe(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                     const at::Tensor& exp_avg_sq) {
+                     const at::Tensor& exp_avg_sq, bool nontemporal, bool contiguous) {
   ds_adam::Span span = describe(0, param, grad, exp_avg, exp_avg_sq, std::nullopt);
   TORCH_CHECK(span.param_type == span.grad_type, "cpu_adam: bandwidth_probe takes a grad of the param's dtype");
-  static const ds_adam::Scalars unused{};  // the probe computes nothing from them
-  span.scalars = &unused;
-  const ds_adam::ProbeFn probe = active()->probe;
+  const ds_adam::FloorFn floor = active()->floor;
   pybind11::gil_scoped_release no_gil;
-  run_spans({span}, probe);
+  if (!contiguous) {
+    run_spans({span}, [floor, nontemporal](const ds_adam::Span& piece) { floor(piece, nontemporal); });
+    return;
+  }
+  const int64_t n = span.end;
+  const int threads = n < kParallelMin ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#ifdef _OPENMP
+    const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+    const int64_t parts = 1, me = 0;
+#endif
+    const int64_t share = (n + parts - 1) / parts;
+    const int64_t aligned = (share + 63) / 64 * 64;  // 64 elements: every vector stays aligned
+    ds_adam::Span mine = span;
+    mine.begin = std::min(n, me * aligned);
+    mine.end = std::min(n, (me + 1) * aligned);
+    if (mine.begin < mine.end) floor(mine, nontemporal);
+  }
+}
+
+// How many threads the spans of a large step are shared between right now: what
+// torch.set_num_threads set, if the library shares torch's OpenMP runtime.
+int parallel_threads() {
+  int seen = 1;
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#ifdef _OPENMP
+#pragma omp single
+    seen = omp_get_num_threads();
+#endif
+  }
+  return seen;
 }
 
 }  // namespace
@@ -252,6 +348,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused Adam/AdamW step for CPU tensors (DeepSpeedCPUAdam)";
   m.def("adam_step", &adam_step,
         "One Adam/AdamW step of a param group, in place; outs (optional) receive the new params",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("outs"),
+        py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("bias_correction"), py::arg("adamw_mode"));
+  m.def("adam_step_supported", &adam_step_supported,
+        "adam_step for the tensors the kernel takes as they are; returns the indices of the others, "
+        "left untouched",
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("outs"),
         py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("bias_correction"), py::arg("adamw_mode"));
@@ -265,10 +367,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("bias_correction"), py::arg("adamw_mode"));
   m.def("bandwidth_probe", &bandwidth_probe, "p += g, m += g, v += g: the memory floor of a step",
-        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"));
+        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("nontemporal") = false, py::arg("contiguous") = false);
   m.def("isa", &isa, "The active kernel: avx512, avx2, neon or scalar");
   m.def("set_isa", &set_isa, "Switch kernels by name; returns the previous name", py::arg("name"));
   m.def("available_isas", &available_isas, "Kernels this CPU can run, best first");
+  m.def("parallel_threads", &parallel_threads,
+        "Threads a parallel region of this library gets now (torch.set_num_threads applies)");
   m.def("has_openmp", []() {
 #ifdef _OPENMP
     return true;

@@ -5,7 +5,8 @@ module, and the library is cached in $TORCH_EXTENSIONS_DIR across sessions.
 
 Tolerances (see [Note: matching torch rounding] in csrc/adam/adam_kernel.h): fp32 parameters
 agree with torch.optim.AdamW(foreach=False) to rtol 1e-6 / atol 1e-6 after 20 steps (sqrt
-may differ by an ulp), states to rtol 1e-6 / atol 1e-7; bf16 / fp16 parameters agree with
+may differ by an ulp), states to rtol 1e-6 / atol 1e-7 (test_parity_check_can_fail shows an
+lr 0.1% off fails that check); bf16 / fp16 parameters agree with
 fp32 AdamW rounded to the dtype after every step to one ulp of the dtype (an ulp moved in
 fp32 can flip a rounding now and then); copies written in
 the step's pass equal `param.to(dtype)` bitwise.
@@ -13,6 +14,7 @@ the step's pass equal `param.to(dtype)` bitwise.
 
 import copy
 import os
+import platform
 import subprocess
 import sys
 
@@ -66,6 +68,10 @@ def isa(request):
     if not NATIVE:
         pytest.skip("cpu_adam cannot be built here")
     op = ALL_OPS["cpu_adam"].load()
+    if request.param == "neon" and platform.machine().lower() not in ("aarch64", "arm64"):
+        pytest.skip(
+            f"NEON runs only on Arm CPUs; this machine is {platform.machine()}, so the neon path is untested here"
+        )
     if request.param not in op.available_isas():
         pytest.skip(f"{request.param} is not available here (available: {op.available_isas()})")
     previous, threads = op.set_isa(request.param), torch.get_num_threads()
@@ -152,6 +158,108 @@ def test_each_vector_path_takes_low_precision_grads(isa):
         torch.testing.assert_close(v, ref.state[q]["exp_avg_sq"], rtol=1e-6, atol=1e-7)
 
 
+def test_parity_check_can_fail(isa):
+    """The tolerance is tight enough to catch a wrong update: lr off by 0.1% fails it."""
+    params, ref_params = make_params(), make_params()
+    opt = DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_params, lr=1.001e-2, weight_decay=0.1, foreach=False)
+    run_steps(opt, params, steps=5)
+    run_steps(ref, ref_params, steps=5)
+    with pytest.raises(AssertionError):
+        assert_parity(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("nontemporal, contiguous", [(False, False), (False, True), (True, True)])
+def test_each_vector_path_floor_does_the_steps_traffic(isa, dtype, nontemporal, contiguous):
+    """bandwidth_probe (the benchmark's floor) really reads and writes every element."""
+    op = ALL_OPS["cpu_adam"].load()
+    gen = torch.Generator().manual_seed(0)
+    for n in SIZES:
+        p, g = (torch.randn(n, generator=gen).to(dtype) for _ in range(2))
+        m, v = (torch.randn(n, generator=gen) for _ in range(2))
+        expected = ((p.float() + g.float()).to(dtype), m + g.float(), v + g.float())
+        op.bandwidth_probe(p, g, m, v, nontemporal=nontemporal, contiguous=contiguous)
+        for got, want in zip((p, m, v), expected):
+            assert torch.equal(got, want)
+
+
+@needs_native
+def test_parallel_threads_follow_torch():
+    """The op's OpenMP regions get torch.set_num_threads threads: one runtime, torch's."""
+    op = ALL_OPS["cpu_adam"].load()
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert op.parallel_threads() == threads
+    finally:
+        torch.set_num_threads(saved)
+    if sys.platform.startswith("linux") and op.has_openmp():
+        with open("/proc/self/maps") as maps:
+            runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+        assert len(runtimes) == 1, runtimes
+
+
+@needs_native
+def test_many_small_tensors_take_one_native_call(monkeypatch):
+    """A group of 2,000 odd-sized tensors: one native call per step, results as torch's."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = [int(torch.randint(1, 300, (1,), generator=gen)) for _ in range(2000)]
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, foreach=False)
+    calls = []
+    real = opt._native
+
+    class Spy:
+        def adam_step_supported(self, *args):
+            calls.append(len(args[0]))
+            return real.adam_step_supported(*args)
+
+    monkeypatch.setattr(opt, "_native", Spy())
+    run_steps(opt, params, steps=3)
+    run_steps(ref, ref_params, steps=3)
+    assert calls == [len(sizes)] * 3
+    assert_parity(opt, params, ref, ref_params)
+
+
+@needs_native
+def test_group_steps_what_the_op_takes_and_the_rest_one_by_one():
+    """fp64 params, non-contiguous params and grads go around the group call, same results."""
+    gen = torch.Generator().manual_seed(0)
+    kinds = ["fp32", "fp64_param", "strided_param", "strided_grad", "fp32"]
+    params = [torch.nn.Parameter(torch.randn(37, 3, generator=gen)) for _ in kinds]
+    params[1] = torch.nn.Parameter(params[1].detach().double())
+    params[2] = torch.nn.Parameter(torch.randn(3, 37, generator=gen).t())  # transposed: not contiguous
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, foreach=False)
+    skipped = []
+    real = opt._native
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def adam_step_supported(self, *args):
+            skipped.append(real.adam_step_supported(*args))
+            return skipped[-1]
+
+    opt._native = Spy()
+    for _ in range(3):
+        for kind, p, q in zip(kinds, params, ref_params):
+            grad = torch.randn(3, 37, generator=gen).t()  # non-contiguous
+            p.grad = (grad if kind == "strided_grad" else grad.contiguous()).to(p.dtype)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    assert skipped == [[1, 2, 3]] * 3
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
 @needs_native
 def test_isa_can_be_forced_by_the_environment():
     code = (
@@ -194,9 +302,9 @@ def test_native_op_is_loaded_and_used(monkeypatch):
     real = opt._native
 
     class Spy:
-        def adam_step(self, *args):
+        def adam_step_supported(self, *args):
             calls.append(list(args[5]))  # the step counts: one call per param group
-            real.adam_step(*args)
+            return real.adam_step_supported(*args)
 
     monkeypatch.setattr(opt, "_native", Spy())
     run_steps(opt, [p for g in opt.param_groups for p in g["params"]], steps=2)

@@ -204,6 +204,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
     def _step_group(
         self, group: dict[str, Any], batch: list[tuple[torch.Tensor, Optional[torch.Tensor]]]
     ) -> None:
+        """One native call for the whole group; tensors it cannot take go one by one after."""
         beta1, beta2 = group["betas"]
         hyper = (
             float(group["lr"]),
@@ -214,19 +215,24 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             bool(group.get("bias_correction", True)),
             self.adamw_mode,
         )
-        native: list[tuple[torch.Tensor, dict[str, Any], Optional[torch.Tensor]]] = []
-        for param, copy in batch:
-            self._check_param(param)
-            state = self._init_state(param)
+        steps = self._count_step([param for param, _ in batch])
+        pending: Iterable[int] = range(len(batch))
+        if self._native is not None:
+            pending = self._run_native(batch, steps, hyper)
+        for i in pending:
+            self._step_one(*batch[i], steps[i], hyper)
+
+    def _count_step(self, params: list[torch.Tensor]) -> list[int]:
+        """Creates missing states and counts this step; returns each parameter's step count."""
+        steps = []
+        for param in params:
+            state = self.state[param]
+            if not state:
+                self._check_param(param)
+                state = self._init_state(param)
             state["step"] += 1
-            if self._native is not None and _native_ok(param, state):
-                native.append((param, state, copy))
-                continue
-            torch_adam_update(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *hyper)
-            if copy is not None:
-                copy.copy_(param.detach().view_as(copy))
-        if native:
-            self._run_native(native, hyper)
+            steps.append(state["step"])
+        return steps
 
     @staticmethod
     def _check_param(param: torch.Tensor) -> None:
@@ -240,32 +246,67 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             raise RuntimeError("DeepSpeedCPUAdam does not support sparse gradients")
 
     def _run_native(
-        self, items: list[tuple[torch.Tensor, dict[str, Any], Optional[torch.Tensor]]], hyper: tuple
-    ) -> None:
-        """One native call for the group; copies the op cannot write are filled afterwards."""
-        params, grads, outs, late = [], [], [], []
-        for param, _, copy in items:
-            params.append(param.detach())
-            grads.append(_native_grad(param))
-            fused = copy is not None and _fusable_copy(param, copy)
-            outs.append(copy.detach().view(param.shape) if fused else None)
-            if copy is not None and not fused:
-                late.append((param, copy))
-        self._native.adam_step(
+        self, batch: list[tuple[torch.Tensor, Optional[torch.Tensor]]], steps: list[int], hyper: tuple
+    ) -> list[int]:
+        """Steps, in one native call, every tensor the op takes as it is; returns the others' indices.
+
+        [Note: one call per group, checks in the op]
+        A step of thousands of small tensors must not pay Python work per tensor, so the op
+        itself checks each tensor (dtype, layout, device, size) and skips, untouched, the
+        ones it cannot take; step() then runs those one by one (`_step_one`), where any
+        conversion or error happens. Per tensor, Python only counts the step and gathers
+        pointers.
+        """
+        params = [param for param, _ in batch]
+        states = [self.state[param] for param in params]
+        outs: list[Optional[torch.Tensor]] = []
+        if any(copy is not None for _, copy in batch):
+            outs = [
+                copy.detach().view(param.shape) if copy is not None and _fusable_copy(param, copy) else None
+                for param, copy in batch
+            ]
+        skipped = self._native.adam_step_supported(
             params,
-            grads,
-            [state["exp_avg"] for _, state, _ in items],
-            [state["exp_avg_sq"] for _, state, _ in items],
-            outs if any(o is not None for o in outs) else [],
-            [state["step"] for _, state, _ in items],
+            [param.grad for param in params],
+            [state["exp_avg"] for state in states],
+            [state["exp_avg_sq"] for state in states],
+            outs,
+            steps,
             *hyper,
         )
         if _increment_version is not None:  # the kernel wrote through raw pointers
-            _increment_version([param for param, _, _ in items])
-            copies = [o for o in outs if o is not None]
-            if copies:
-                _increment_version(copies)
-        for param, copy in late:
+            _increment_version(params)
+            if outs:
+                _increment_version([out for out in outs if out is not None])
+        if outs:
+            not_done = set(skipped)
+            for i, (param, copy) in enumerate(batch):
+                if copy is not None and outs[i] is None and i not in not_done:
+                    copy.copy_(param.detach().view_as(copy))
+        return skipped
+
+    def _step_one(self, param: torch.Tensor, copy: Optional[torch.Tensor], step: int, hyper: tuple) -> None:
+        """One tensor the group call skipped: the op after converting its grad, or torch ops."""
+        self._check_param(param)
+        state = self.state[param]
+        if self._native is None or not _native_ok(param, state):
+            torch_adam_update(param, param.grad, state["exp_avg"], state["exp_avg_sq"], step, *hyper)
+            if copy is not None:
+                copy.copy_(param.detach().view_as(copy))
+            return
+        fused = copy is not None and _fusable_copy(param, copy)
+        self._native.adam_step(
+            [param.detach()],
+            [_native_grad(param)],
+            [state["exp_avg"]],
+            [state["exp_avg_sq"]],
+            [copy.detach().view(param.shape)] if fused else [],
+            [step],
+            *hyper,
+        )
+        if _increment_version is not None:
+            _increment_version([param, copy] if fused else [param])
+        if copy is not None and not fused:
             copy.copy_(param.detach().view_as(copy))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
