@@ -46,7 +46,7 @@ class _InFlight:
 
     def __init__(self, handle: Any, send: torch.Tensor, received: torch.Tensor, states: list, world: int):
         self.handle = handle
-        self.send = send  # kept alive until the collective finished
+        self.send = send  # the whole send buffer, kept alive until the collective finished
         self.received = received  # 1D [sum of the states' partition sizes]
         self.states = states
         self.world = world
@@ -77,6 +77,7 @@ class GradientReducer:
         self._pending: dict = {}  # (id(group), dtype) -> list of (state, grad)
         self._pending_elems: dict = {}
         self._in_flight: list = []  # _InFlight, oldest first
+        self._spare_sends: list = []  # send buffers of completed buckets, for the next ones
         self.reduce_calls = 0  # collectives issued, for tests and benchmarks
         self.async_calls = 0  # of which asynchronous (overlap_comm)
 
@@ -116,6 +117,19 @@ class GradientReducer:
     def wait_all(self) -> None:
         while self._in_flight:
             self._complete(self._in_flight.pop(0))
+        self._spare_sends.clear()  # between backwards, no send buffer outlives its bucket
+
+    def _send_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1D buffer of at least `numel` elements: an earlier bucket's of this backward if big enough.
+
+        On the CPU every fresh multi-MB buffer costs page faults on first touch (a third of a
+        pack's time, measured); reusing the send buffers of completed buckets avoids them
+        without holding more than the buckets in flight already hold.
+        """
+        for i, spare in enumerate(self._spare_sends):
+            if spare.dtype == dtype and spare.device == device and spare.numel() >= numel:
+                return self._spare_sends.pop(i)
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def _reduce(self, key: tuple) -> None:
         items = self._pending.pop(key)
@@ -123,15 +137,18 @@ class GradientReducer:
         dtype = key[1]
         states = [state for state, _ in items]
         world, total = states[0].world_size, sum(s.partition_size for s in states)
-        send = torch.empty(world, total, dtype=dtype, device=items[0][1].device)
-        offset = 0
+        send_base = self._send_buffer(world * total, dtype, items[0][1].device)
+        send = send_base[: world * total].view(world, total)
+        # One fused copy packs every gradient's rank-major column block (a padded gradient is
+        # padded with zeros first: its last rank's slice runs past its end).
+        blocks = []
         for state, grad in items:
             flat = grad.reshape(-1).to(dtype)
             if state.padding:
                 flat = F.pad(flat, (0, state.padding))
-            send[:, offset : offset + state.partition_size].copy_(flat.view(world, state.partition_size))
-            offset += state.partition_size
-        del items, grad, flat  # the full gradients are packed: free them before the collective
+            blocks.append(flat.view(world, state.partition_size))
+        torch.cat(blocks, dim=1, out=send)
+        del items, grad, flat, blocks  # the full gradients are packed: free them before the collective
         before, _ = self._scales(world)
         if before != 1.0:
             send.mul_(before)
@@ -143,7 +160,7 @@ class GradientReducer:
             received, send.view(-1), group=states[0].group, async_op=self.overlap_comm, input_reusable=True
         )
         self.reduce_calls += 1
-        work = _InFlight(handle, send, received, states, world)
+        work = _InFlight(handle, send_base, received, states, world)
         if self.overlap_comm:
             self.async_calls += 1
             self._in_flight.append(work)
@@ -152,6 +169,7 @@ class GradientReducer:
 
     def _complete(self, work: _InFlight) -> None:
         work.handle.wait()
+        self._spare_sends.append(work.send)
         _, after = self._scales(work.world)
         # Each state gets its own disjoint view of `received`, which the accumulator may keep.
         pieces = torch.split(work.received, [s.partition_size for s in work.states])

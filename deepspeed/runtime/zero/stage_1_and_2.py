@@ -94,8 +94,8 @@ def make_replicated_shards(module: nn.Module, group: Any = None) -> dict:
 def gather_updated_slices(states: list, bucket_elems: int = 0) -> None:
     """All-gather every rank's slices of `states` back into their full parameters, in place.
 
-    One collective per (group, dtype) bucket of at most `bucket_elems` gathered elements
-    (`allgather_bucket_size`; 0: no limit), so the temporary output stays bounded. The
+    One collective per (group, dtype) bucket, closed once it holds `bucket_elems` gathered
+    elements (`allgather_bucket_size`; 0: no limit), so the temporary output stays bounded. The
     output is rank-major (`[rank 0: p0 slice, p1 slice, ...][rank 1: ...]`); one fused copy
     moves each parameter's column block straight into its storage, which is
     `[world, partition_size]` when it has no padding. A padded parameter's block goes
@@ -105,27 +105,35 @@ def gather_updated_slices(states: list, bucket_elems: int = 0) -> None:
     for s in states:
         by_key.setdefault((id(s.group), s.shard.dtype), []).append(s)
     for same in by_key.values():
-        chunk, elems = [], 0
+        buckets, chunk, elems = [], [], 0
         for s in same:
             chunk.append(s)
             elems += s.world_size * s.partition_size
             if bucket_elems and elems >= bucket_elems:
-                _gather_bucket(chunk)
+                buckets.append(chunk)
                 chunk, elems = [], 0
         if chunk:
-            _gather_bucket(chunk)
+            buckets.append(chunk)
+        # One output buffer serves every bucket in turn (each completes before the next): a
+        # fresh multi-MB buffer per bucket costs page faults on the CPU.
+        first = same[0]
+        capacity = max(sum(s.partition_size for s in b) for b in buckets) * first.world_size
+        out = torch.empty(capacity, dtype=first.shard.dtype, device=first.param.device)
+        for bucket in buckets:
+            _gather_bucket(bucket, out)
 
 
 @torch.no_grad()
-def _gather_bucket(states: list) -> None:
+def _gather_bucket(states: list, out: torch.Tensor) -> None:
     first = states[0]
     world, sizes = first.world_size, [s.partition_size for s in states]
-    device = first.param.device  # where the full parameters live: the communication device
-    rows = torch.empty(world, sum(sizes), dtype=first.shard.dtype, device=device)
+    rows = out[: world * sum(sizes)].view(world, sum(sizes))
     torch.cat([s.shard for s in states], out=rows[first.rank])
     dist.all_gather_into_tensor(rows.view(-1), rows[first.rank], group=first.group)
     padded = [s for s in states if not _storage_is_rows(s)]
-    scratch = {id(s): torch.empty(world, s.partition_size, dtype=rows.dtype, device=device) for s in padded}
+    scratch = {
+        id(s): torch.empty(world, s.partition_size, dtype=rows.dtype, device=out.device) for s in padded
+    }
     targets = [
         scratch[id(s)] if id(s) in scratch else s.param.data.view(world, s.partition_size) for s in states
     ]
