@@ -55,7 +55,7 @@ def _bodies(numel: int, world: int, rank: int) -> dict:
 
     def broadcast_each() -> None:
         out.view(-1).chunk(world)[rank].copy_(mine)
-        works = [tdist.broadcast(c, group_src=i, async_op=True) for i, c in enumerate(out.chunk(world))]
+        works = [tdist.broadcast(c, src=i, async_op=True) for i, c in enumerate(out.chunk(world))]
         for w in works:
             w.wait()
 

@@ -314,7 +314,9 @@ def all_gather_into_tensor(
     mine = chunks[rank]
     if mine.data_ptr() != input_tensor.data_ptr():
         mine.copy_(input_tensor.view(-1))
-    works = [_dist.broadcast(c, group_src=i, group=group, async_op=True) for i, c in enumerate(chunks)]
+    # Global source ranks: `group_src=` exists only from torch 2.6, and we support 2.1 up.
+    owners = range(world) if group is None else [_dist.get_global_rank(group, i) for i in range(world)]
+    works = [_dist.broadcast(c, src=src, group=group, async_op=True) for src, c in zip(owners, chunks)]
     handle = CommHandle(_AllWorks(works))
     if not async_op:
         handle.wait()
