@@ -1,6 +1,6 @@
 """A GPT-2-small-sized decoder (124M parameters) on CPU ranks: ours vs upstream vs FSDP2 vs DDP.
 
-    python benchmarks/bench_gpt2_small.py                  # ~6.5 min on 2 cores, ~13 GiB of RAM at peak
+    python benchmarks/bench_gpt2_small.py                  # ~6 min on 2 cores, up to ~13 GiB of RAM
     python benchmarks/bench_gpt2_small.py --quick          # a 2-layer width-64 stand-in, a smoke run
     python benchmarks/bench_gpt2_small.py --json gpt2.json --skip-upstream
 

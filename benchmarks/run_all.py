@@ -1,7 +1,7 @@
 """Every benchmark in one go: train step, gather, init memory, scaling, CPU Adam, rank agreement, GPT-2 small.
 
-    python benchmarks/run_all.py                       # ~14 min on 2 shared cores (make bench)
-    python benchmarks/run_all.py --quick --skip-upstream --out-dir /tmp/r   # a ~90 s smoke run
+    python benchmarks/run_all.py                       # ~20 min on 2 shared cores (make bench)
+    python benchmarks/run_all.py --quick --skip-upstream --out-dir /tmp/r   # a ~2.5 min smoke run
 
 Sections (each reuses the functions of the script named, nothing is re-implemented here):
   train_step  bench_train_step.py: decoder and MLP, fp32 and bf16, ours / upstream DeepSpeed
