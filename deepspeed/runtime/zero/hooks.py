@@ -236,6 +236,10 @@ class ParameterCoordinator:
         self.backward_holds: dict = {}  # id(module) -> [_Hold] for its backward, innermost last
         self.awaiting_backward = False  # a grad-enabled forward finished and no backward closed it
         self.under_leaf: set = _under_leaves(module)  # ids of modules inside a leaf: they hold nothing
+        # id(module) -> what its forward and backward hold, computed once per pass: backward
+        # (and a checkpointed recomputation) reuses the forward's list. Cleared when a pass
+        # starts, and per module when a parameter used outside it is registered with it.
+        self._states_cache: dict = {}
         self._handles: list = []
         for sub in module.modules():
             self._handles.append(sub.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -254,12 +258,17 @@ class ParameterCoordinator:
     # ------------------------------------------------------------------ fetch / release
 
     def _states_for(self, module: nn.Module) -> list:
-        """What `module`'s forward or backward holds (see the leaf note)."""
-        if id(module) in self.under_leaf:
-            return []
-        if z3_leaf_module(module):
-            return _leaf_states(module)
-        return _module_states(module)
+        """What `module`'s forward or backward holds (see the leaf note); a new list each call."""
+        cached = self._states_cache.get(id(module))
+        if cached is None:
+            if id(module) in self.under_leaf:
+                cached = []
+            elif z3_leaf_module(module):
+                cached = _leaf_states(module)
+            else:
+                cached = _module_states(module)
+            self._states_cache[id(module)] = cached
+        return list(cached)  # a hold may append to its own list (_on_access)
 
     def _fetch(self, hold: _Hold) -> None:
         gather.fetch_states(hold.states, hold)
@@ -320,6 +329,7 @@ class ParameterCoordinator:
     def _begin_outer_forward(self) -> None:
         if not _in_backward():
             self.under_leaf = _under_leaves(self.module)  # leaves marked since the last pass count
+            self._states_cache.clear()  # parameters registered or replaced since count too
         ACCESS_HOOK.push(self._on_access)
         if self.awaiting_backward and not _in_backward():
             self.end_pass()  # the last pass had no backward (eval, generate): close it
@@ -344,6 +354,7 @@ class ParameterCoordinator:
             self.forward_holds[-1],
         )
         register_external_parameter(hold.module, param)  # from now on fetched with `hold.module`
+        self._states_cache.pop(id(hold.module), None)
         gather.fetch_states([state], hold)
         hold.states.append(state)  # released with the submodule's own
         state.active_sub_modules.add(id(hold.module))
