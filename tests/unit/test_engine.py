@@ -385,6 +385,18 @@ class TestPrefetch(DistributedTest):
         assert not prefetcher.recording and prefetcher.trace and prefetcher.prefetched > 0
         assert prefetcher.held == {}  # every prefetched hold was handed over or released
 
+        # A bucket smaller than every parameter still prefetches, one parameter at a time.
+        tiny, with_tiny_bucket = engine_run(
+            data,
+            zero_optimization={
+                "stage": 3,
+                "stage3_prefetch_bucket_size": 1,
+                "stage3_param_persistence_threshold": 0,
+            },
+        )
+        assert with_tiny_bucket == no_prefetch
+        assert tiny.coordinator.prefetcher.prefetched > 0 and tiny.coordinator.prefetcher.held == {}
+
         # with a trace, a step waits on far fewer synchronous gathers
         waits = []
         original = deepspeed.comm.all_gather_into_tensor

@@ -193,12 +193,18 @@ class _Prefetcher:
     def prefetch_next(self) -> None:
         if self.recording or self.bucket_elems <= 0:
             return
+        # Parameters are taken in trace order while the bucket is not yet full, so the last
+        # one may overshoot it: a parameter larger than the whole bucket (a big embedding, or
+        # any layer when the bucket is small) is still gathered ahead, one at a time.
         wanted, budget = [], self.bucket_elems
         for entry in self.trace[self.position :]:
             for s in entry:
-                if s.ds_id in self.held or s.persist or s.numel > budget:
+                if budget <= 0:
+                    break
+                if s.ds_id in self.held or s.persist:
                     continue
                 if self.held_elems + s.numel > self.max_live_elems:
+                    budget = 0
                     break
                 wanted.append(s)
                 budget -= s.numel
