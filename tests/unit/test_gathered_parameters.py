@@ -53,6 +53,11 @@ def full_copy(*params):
         return [p.detach().clone() for p in params]
 
 
+def pad_bytes(param):
+    """Bytes of padding after `param`'s elements in its gathered buffer (world x partition size)."""
+    return (param.partition_numel() * dist.get_world_size() - param.ds_numel) * param.element_size()
+
+
 class CountingComm:
     """Counts the facade collectives that ZeRO code calls (STYLE 12)."""
 
@@ -238,6 +243,33 @@ class TestGatherMechanics(DistributedTest):
         first.stop()
         second.stop()
         assert layer.weight._zero_state.holders == 0
+
+    def test_module_buffer_is_reused_but_never_under_a_kept_tensor(self):
+        """A module's full tensors share one buffer, reused by its next gather unless someone kept one."""
+        with deepspeed.zero.Init():
+            layer = nn.Linear(7, 5)  # odd sizes: padded shards
+        params = [layer.weight, layer.bias]
+        expected = full_copy(*params)
+        with deepspeed.zero.GatheredParameters(params):
+            first = layer.weight.data.data_ptr()
+            assert layer.bias.data.data_ptr() == first + layer.weight.numel() * 4 + pad_bytes(layer.weight)
+        with deepspeed.zero.GatheredParameters(params):
+            assert layer.weight.data.data_ptr() == first  # the released buffer came back
+            kept = layer.weight.data  # a caller keeps the gathered tensor past stop()
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            assert layer.weight.data.data_ptr() != kept.data_ptr()  # not handed out again
+            for p in params:
+                p.data.fill_(3.0)
+        assert torch.equal(kept, expected[0])  # untouched by the later gathers and edits
+        assert all(torch.all(t == 3.0) for t in full_copy(*params))
+        # Partial release: the buffer stays until the module's last gathered parameter goes.
+        both = deepspeed.zero.GatheredParameters(params).start()
+        weight_only = deepspeed.zero.GatheredParameters(layer.weight).start()
+        both.stop()
+        assert layer.bias.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        assert torch.all(layer.weight.data == 3.0)
+        weight_only.stop()
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.data.numel() == 0 for p in params)
 
     def test_fwd_module_registers_external(self):
         from deepspeed.runtime.zero.partition_parameters import external_parameters

@@ -16,30 +16,47 @@ rank) copies its slice into the shard when it releases, even if others still hol
 
 [Note: coalescing]
 All parameters asked for in one `fetch()` that share a (process group, dtype) go into one
-all-gather: their shards are concatenated into one input, and the output is laid out rank
-by rank, `[rank 0: p0 shard, p1 shard, ...][rank 1: ...]`. Each parameter's full tensor is
-then cut out of that output; every rank issues the same collectives in the same order
-because parameters are sorted by `ds_id`, which is equal on all ranks.
+all-gather: their shards are concatenated into one input (a view, when Init put them back
+to back: each state records the flat buffer its shard is a view of), and the output is laid
+out rank by rank, `[rank 0: p0 shard, p1 shard, ...][rank 1: ...]`. One fused copy moves
+each parameter's column block into its full tensor (see `_FullPool` for where those live);
+a single parameter needs no copy, as the output is its full tensor. That copy is the one
+cost above the collective that a per-parameter tensor cannot avoid: DeepSpeed's shard math
+fixes which elements each rank holds, so no output layout makes every parameter contiguous,
+and one all-gather per parameter costs far more on gloo (about 1 ms each on 2 CPU ranks).
+Every rank issues the same collectives in the same order because parameters are sorted by
+`ds_id`, which is equal on all ranks. State changes go a bucket at a time (see
+param_state.py's bulk transitions).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from deepspeed import comm as dist
-from deepspeed.runtime.zero.param_state import ZeroParamState, ZeroParamStatus, is_zero_param
+from deepspeed.runtime.zero.param_state import (
+    ZeroParamState,
+    ZeroParamStatus,
+    all_to_available,
+    all_to_inflight,
+    all_to_released,
+    hold_all,
+    is_zero_param,
+    unhold_all,
+)
 
 
 def zero_states(params: Iterable) -> list:
     """The states of the ZeRO parameters among `params`, de-duplicated and sorted by ds_id."""
-    seen: dict = {}
-    for p in params:
-        if is_zero_param(p):
-            seen[p._zero_state.ds_id] = p._zero_state
-    return [seen[k] for k in sorted(seen)]
+    seen = {(s := p._zero_state).ds_id: s for p in params if is_zero_param(p)}
+    ids = list(seen)
+    if ids == sorted(ids):
+        return list(seen.values())  # already in order (a module's parameters usually are)
+    return [seen[k] for k in sorted(ids)]
 
 
 def _compute_device() -> torch.device:
@@ -50,35 +67,216 @@ def _compute_device() -> torch.device:
 
 def _buckets_by_group_and_dtype(states: list) -> list:
     """Split `states` (sorted by ds_id) into lists sharing a (group, dtype), order preserved."""
+    first = states[0]
+    base, group = getattr(first, "shard_base", None), first.group
+    if base is not None and all(s.shard_base is base and s.group is group for s in states):
+        return [states]  # one module's parameters: one flat shard buffer, so one dtype
     buckets: dict = {}
     for s in states:
         buckets.setdefault((id(s.group), s.shard.dtype), []).append(s)
     return list(buckets.values())
 
 
-def _adjacent_view(shards: list) -> Optional[torch.Tensor]:
-    """One 1D view spanning `shards` when they lie back to back in one storage, else None."""
-    first = shards[0]
-    storage, end = first.untyped_storage().data_ptr(), first.storage_offset()
-    for t in shards:
-        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != end or not t.is_contiguous():
-            return None
-        end += t.numel()
-    return first.as_strided((end - first.storage_offset(),), (1,))
+def _flat_input(states: list, device: torch.device) -> torch.Tensor:
+    """This rank's shards of `states` (one group and dtype), back to back in one 1D tensor on `device`.
+
+    Shards that Init placed back to back (one module's) are a view of their flat buffer, found
+    from the bases the states recorded, with no per-shard tensor call; others are concatenated.
+    """
+    first = states[0]
+    base = getattr(first, "shard_base", None)  # stages 1 and 2 pass states that record none
+    if base is None:
+        return torch.cat([t.shard.to(device, non_blocking=True) for t in states])
+    end = first.shard_offset
+    for s in states:
+        if s.shard_base is not base or s.shard_offset != end:
+            return torch.cat([t.shard.to(device, non_blocking=True) for t in states])
+        end += s.partition_size
+    if len(states) == 1:
+        flat = first.shard
+    elif first.shard_offset == 0 and end == base.shape[0]:
+        flat = base
+    else:
+        flat = base[first.shard_offset : end]
+    return flat.to(device, non_blocking=True)
 
 
-def _all_gather_shards(states: list, device: torch.device, async_op: bool) -> tuple:
+class _ScratchPool:
+    """Reusable all-gather outputs: memory that lives from a collective's issue to its copy-out.
+
+    [Note: why the all-gather output is pooled]
+    A coalesced gather needs two buffers at once: the rank-major output and the full
+    tensors it is copied into. Freeing the output right after the copy, gather after
+    gather, costs on the CPU: glibc hands a large free block at the top of its heap back to
+    the kernel, and the next gather's fresh pages fault in again (2 gloo ranks, 4 MB in 100
+    parameters: 8.0 ms per all-gather and copy-out with both buffers fresh, 5.1 ms with a
+    fresh output buffer only, 4.2 ms with neither; medians of 80, side by side). So outputs
+    go back here once copied out, and the next gather of at most that size reuses one. On an
+    accelerator the caching allocator does the same; reuse is stream-ordered either way, as
+    a collective waits for the work queued before it. At most `KEEP` buffers per (dtype,
+    device) are kept; `clear()` frees them.
+    """
+
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self._free: dict = {}  # (dtype, device) -> [1D tensor], smallest first
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1D tensor of `numel` elements (garbage-filled), reused when a kept one is large enough."""
+        free = self._free.get((dtype, device))
+        if free:
+            for i, buf in enumerate(free):
+                if buf.shape[0] >= numel:
+                    del free[i]
+                    return buf if buf.shape[0] == numel else buf[:numel]
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give_back(self, tensor: torch.Tensor) -> None:
+        base = tensor if tensor._base is None else tensor._base
+        free = self._free.setdefault((base.dtype, base.device), [])
+        free.append(base)
+        free.sort(key=lambda t: t.shape[0])
+        if len(free) > self.KEEP:
+            del free[0]  # keep the largest: they serve every smaller gather too
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+SCRATCH = _ScratchPool()
+
+
+def _all_gather_shards(states: list, device: torch.device, async_op: bool, scratch: bool = False) -> tuple:
     """One all-gather of the concatenated shards of `states` (one group and dtype): (output, handle).
 
-    Shards that Init placed back to back (one module's) are sent as one view, with no copy.
+    `scratch=True` takes the output from `SCRATCH`; the caller gives it back once copied out.
     """
-    shards = [s.shard.to(device, non_blocking=True) for s in states]
-    flat_in = shards[0] if len(shards) == 1 else _adjacent_view(shards)
-    if flat_in is None:
-        flat_in = torch.cat(shards)
-    flat_out = torch.empty(states[0].world_size * flat_in.numel(), dtype=flat_in.dtype, device=device)
+    flat_in = _flat_input(states, device)
+    numel = states[0].world_size * flat_in.shape[0]
+    if scratch:
+        flat_out = SCRATCH.take(numel, flat_in.dtype, device)
+    else:
+        flat_out = torch.empty(numel, dtype=flat_in.dtype, device=device)
     handle = dist.all_gather_into_tensor(flat_out, flat_in, group=states[0].group, async_op=async_op)
     return flat_out, handle
+
+
+def _storage_refs(tensor: torch.Tensor) -> int:
+    """How many tensors share `tensor`'s storage; -1 where this torch cannot say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return -1 if count is None else count(tensor.untyped_storage()._cdata)
+
+
+class _FullBuffer:
+    """The full tensors of one run of parameters (see the note in `_FullPool`): a buffer and views of it."""
+
+    buf: torch.Tensor  # 1D, at least [world * sum(partition_size)] of the run it is laid out for
+    key: tuple  # the ds_ids of that run
+    base: Any  # weakref to the run's shard base: ds_ids alone are reset by tests
+    flat: torch.Tensor  # 1D, [world * sum(partition_size)]: the run's part of `buf`
+    dests: list  # [world, partition_size] views: the targets of the copy out of a rank-major output
+    fulls: list  # each parameter's full tensor (its shape), a view of `buf`
+    refs: int  # how many tensors share `buf`'s storage when only this object holds views of it
+    live: int  # how many of the run's parameters have one of `fulls` as their data
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.live = 0
+
+    def lay_out(self, run: list, key: tuple) -> None:
+        """Make the views for `run` (parameter by parameter, each one's padding at its end)."""
+        world = run[0].world_size
+        sizes = [world * s.partition_size for s in run]
+        numel = sum(sizes)
+        self.key, self.base = key, weakref.ref(run[0].shard_base)
+        self.flat = self.buf if self.buf.shape[0] == numel else self.buf[:numel]
+        self.dests, self.fulls = _views(self.flat, run, sizes)
+        self.refs = _storage_refs(self.buf)  # no temporaries left: only our views count
+
+
+def _views(flat: torch.Tensor, run: list, sizes: list) -> tuple:
+    """`([world, partition_size] views, full tensors)` of `run`'s parameters, back to back in `flat`."""
+    world = run[0].world_size
+    dests, fulls = [], []
+    for s, piece in zip(run, flat.split(sizes)):
+        dests.append(piece.view(world, s.partition_size))
+        full = piece if s.padding == 0 else piece[: s.numel]
+        fulls.append(full if len(s.shape) == 1 else full.view(s.shape))
+    return dests, fulls
+
+
+class _FullPool:
+    """Full-tensor buffers of released runs, kept for the next gather (with their views, when it is the same run).
+
+    [Note: one buffer per module, reused]
+    Parameters whose shards Init put in one flat buffer (one module's) form a run; each run
+    gathered gets one buffer for its full tensors, laid out parameter by parameter with each
+    one's padding at its end, and the parameters' data are views of it. A module's gathered
+    memory is thus one allocation, freed when its last parameter is released, as it would
+    be with one allocation per parameter. When the run is released, its buffer comes back
+    here, unless a tensor other than the pool's views still shares it (a caller kept
+    `p.data`, autograd saved a view): then it stays that tensor's, untouched. The next
+    gather of the same run takes its buffer back with the views already made, so a
+    repeated gather of a module makes no tensor per parameter, allocates nothing and
+    touches no fresh page (on the CPU, fresh pages cost about as much as the copy out
+    itself, see `_ScratchPool`). Another run of at most that size reuses the memory with new
+    views. At most `KEEP` buffers per (dtype, device) are kept, the largest; `clear()`
+    frees them.
+    """
+
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self._free: dict = {}  # (dtype, device) -> [_FullBuffer], smallest buffer first
+
+    def take(self, run: list, dtype: torch.dtype, device: torch.device) -> _FullBuffer:
+        key = tuple(s.ds_id for s in run)
+        free = self._free.get((dtype, device))
+        if free:
+            base = run[0].shard_base
+            for i, fb in enumerate(free):
+                if fb.key == key and fb.base() is base:
+                    del free[i]
+                    return fb  # the same run: its views are ready
+            numel = run[0].world_size * sum(s.partition_size for s in run)
+            for i, fb in enumerate(free):
+                if fb.buf.shape[0] >= numel:
+                    del free[i]
+                    fb.lay_out(run, key)
+                    return fb
+        numel = run[0].world_size * sum(s.partition_size for s in run)
+        fb = _FullBuffer(torch.empty(numel, dtype=dtype, device=device))
+        fb.lay_out(run, key)
+        return fb
+
+    def give_back(self, fb: _FullBuffer) -> None:
+        if fb.refs < 0 or _storage_refs(fb.buf) != fb.refs:
+            return  # someone else still holds one of its tensors: the memory stays theirs
+        free = self._free.setdefault((fb.buf.dtype, fb.buf.device), [])
+        free.append(fb)
+        free.sort(key=lambda f: f.buf.shape[0])
+        if len(free) > self.KEEP:
+            del free[0]
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+FULLS = _FullPool()
+
+
+def _runs(states: list) -> list:
+    """`states` cut into runs whose shards share a flat buffer (one module's, as Init lays them out)."""
+    runs, current = [], [states[0]]
+    for s in states[1:]:
+        if s.shard_base is current[-1].shard_base:
+            current.append(s)
+        else:
+            runs.append(current)
+            current = [s]
+    runs.append(current)
+    return runs
 
 
 class _GatherBucket:
@@ -92,37 +290,91 @@ class _GatherBucket:
         self.states = states
         self.flat_out = None
         self._work = None
+        self._single: Optional[_FullBuffer] = None  # one parameter: gathered straight into its buffer
         self.done = False
 
     def issue(self, device: torch.device) -> None:
-        self.flat_out, self._work = _all_gather_shards(self.states, device, async_op=True)
-        for s in self.states:
-            s.to_inflight(self)
+        states = self.states
+        flat_in = _flat_input(states, device)
+        if len(states) == 1:
+            # The output is the parameter's full tensor: no copy out.
+            self._single = FULLS.take(states, flat_in.dtype, device)
+            self.flat_out = self._single.flat
+        else:
+            self.flat_out = SCRATCH.take(states[0].world_size * flat_in.shape[0], flat_in.dtype, device)
+        self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=states[0].group, async_op=True)
+        all_to_inflight(states, self)
 
     def wait(self) -> None:
         if self.done:
             return  # another holder waited on this bucket already
         self._work.wait()
-        for s, full in zip(self.states, _cut_full_tensors(self.flat_out, self.states)):
-            s.to_available(full)
+        self._work = None  # its tensors would count as holders of the buffers (see _FullPool)
+        if self._single is not None:
+            buffers = [self._single]
+        else:
+            buffers = _copy_out(self.flat_out, self.states)
+            SCRATCH.give_back(self.flat_out)
+        if len(buffers) == 1:
+            fb = buffers[0]
+            fb.live = len(fb.fulls)
+            all_to_available(self.states, fb.fulls, [fb] * fb.live)
+        else:
+            fulls, owners = [], []
+            for fb in buffers:
+                fb.live = len(fb.fulls)
+                fulls.extend(fb.fulls)
+                owners.extend([fb] * fb.live)
+            all_to_available(self.states, fulls, owners)
         self.flat_out = None
         self.done = True
 
 
-def _cut_full_tensors(flat_out: torch.Tensor, states: list) -> list:
-    """Each state's full tensor (its shape) out of a rank-major coalesced all-gather output."""
+def _copy_out(flat_out: torch.Tensor, states: list) -> list:
+    """One `_FullBuffer` per run of `states`, filled from their rank-major all-gather output in one copy."""
+    device, dtype = flat_out.device, flat_out.dtype
+    buffers = [FULLS.take(run, dtype, device) for run in _runs(states)]
+    dests = buffers[0].dests if len(buffers) == 1 else [d for fb in buffers for d in fb.dests]
     world = states[0].world_size
-    rows = flat_out.view(world, -1)
+    torch.split_with_sizes_copy(
+        flat_out.view(world, -1), [s.partition_size for s in states], dim=1, out=dests
+    )
+    return buffers
+
+
+def _release(states: list) -> None:
+    """Release `states` (nobody holds them): a run whose last gathered parameter this was goes back to `FULLS`."""
+    buffers = all_to_released(states)
+    if not buffers:
+        return
+    first = buffers[0]
+    if first is not None and first.live == len(buffers) and buffers.count(first) == len(buffers):
+        first.live = 0  # the common case: one whole run released together
+        FULLS.give_back(first)
+        return
+    for fb in buffers:
+        if fb is not None:
+            fb.live -= 1
+            if fb.live == 0:
+                FULLS.give_back(fb)
+
+
+def _cut_full_tensors(flat_out: torch.Tensor, states: list) -> list:
+    """Each state's full tensor (its shape) out of a rank-major coalesced all-gather output.
+
+    Fresh tensors, one buffer for all (stages 1 and 2 and refreshes copy them into place).
+    """
+    world = states[0].world_size
     if len(states) == 1:
         # The whole output belongs to one parameter: a view, no copy.
         s = states[0]
-        return [rows.reshape(-1)[: s.numel].view(s.shape)]
-    # One fused copy moves every parameter's column block into its own padded buffer.
-    padded = [
-        torch.empty(world, s.partition_size, dtype=flat_out.dtype, device=flat_out.device) for s in states
-    ]
-    torch.split_with_sizes_copy(rows, [s.partition_size for s in states], dim=1, out=padded)
-    return [buf.view(-1)[: s.numel].view(s.shape) for buf, s in zip(padded, states)]
+        full = flat_out if s.padding == 0 else flat_out[: s.numel]
+        return [full if len(s.shape) == 1 else full.view(s.shape)]
+    sizes = [s.partition_size for s in states]
+    buf = torch.empty(world * sum(sizes), dtype=flat_out.dtype, device=flat_out.device)
+    dests, fulls = _views(buf, states, [world * n for n in sizes])
+    torch.split_with_sizes_copy(flat_out.view(world, -1), sizes, dim=1, out=dests)
+    return fulls
 
 
 def refresh_gathered(states: list) -> None:
@@ -156,9 +408,10 @@ def gather_into_params(states: list, bucket_elems: int = 0) -> None:
 
 
 def _gather_chunk_into_params(states: list, device: torch.device) -> None:
-    flat_out, _ = _all_gather_shards(states, device, async_op=False)
+    flat_out, _ = _all_gather_shards(states, device, async_op=False, scratch=True)
     for s, full in zip(states, _cut_full_tensors(flat_out, states)):
         s.param.data.copy_(full)
+    SCRATCH.give_back(flat_out)
 
 
 class GatherHandle:
@@ -188,10 +441,7 @@ PARAM_API = _ApiHolds()
 
 def fetch_states(states: list, owner: object, async_op: bool = False) -> GatherHandle:
     """Take one hold for `owner` on each state and gather those not available (see both notes above)."""
-    for s in states:
-        s.hold(owner)
-    missing = [s for s in states if s.status is ZeroParamStatus.NOT_AVAILABLE]
-    in_flight = {id(s.pending): s.pending for s in states if s.status is ZeroParamStatus.INFLIGHT}
+    missing, in_flight = hold_all(states, owner)
     buckets = []
     if missing:
         device = _compute_device()
@@ -199,7 +449,7 @@ def fetch_states(states: list, owner: object, async_op: bool = False) -> GatherH
             bucket = _GatherBucket(group_states)
             bucket.issue(device)
             buckets.append(bucket)
-    handle = GatherHandle(buckets + list(in_flight.values()))
+    handle = GatherHandle(buckets + in_flight)
     if not async_op:
         handle.wait()
     return handle
@@ -219,11 +469,10 @@ def wait_available(states: list) -> None:
 def release_states(states: list, owner: object, has_been_updated: bool = False) -> None:
     """Drop one of `owner`'s holds on each state; write edits back first if `has_been_updated`."""
     wait_available(states)
-    for s in states:
-        if has_been_updated:
+    if has_been_updated:
+        for s in states:
             s.write_back()
-        if s.unhold(owner) and not s.persist:
-            s.to_released()
+    _release(unhold_all(states, owner))
 
 
 def release_api_holds(params: Iterable, has_been_updated: bool = False) -> None:
@@ -242,9 +491,9 @@ def release_api_holds(params: Iterable, has_been_updated: bool = False) -> None:
             s.write_back()
         if PARAM_API in s.holds:
             if s.unhold(PARAM_API) and not s.persist:
-                s.to_released()
+                _release([s])
         elif not s.holds and not s.persist:
-            s.to_released()
+            _release([s])
 
 
 # Tensors at least this large are broadcast in place: coalescing them would copy them.

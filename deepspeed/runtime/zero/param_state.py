@@ -149,11 +149,14 @@ class ZeroParamState:
     partition_size: int  # elements per rank, padding included
     padding: int  # elements added to reach a multiple of world_size
     shard: torch.Tensor  # 1D, [partition_size], this rank's slice (padding zero-filled)
+    shard_base: torch.Tensor  # 1D contiguous tensor `shard` is a view of (`shard` itself if none)
+    shard_offset: int  # where `shard` starts in `shard_base`, in elements (see gather.py's coalescing note)
     status: ZeroParamStatus
     holds: dict  # owner -> holds it took on the gathered tensor (see gather.py's refcount note)
     persist: bool  # small parameters that stay gathered (stage3_param_persistence_threshold)
     active_sub_modules: set  # ids of submodules currently running with this parameter
     pending: Optional[Any]  # the gather bucket that will materialize an INFLIGHT parameter
+    full_buffer: Optional[Any]  # while AVAILABLE from a gather: the buffer its data is a view of (gather.py)
     param_type: ZeroParamType
     sanity_checks: bool  # detect edits discarded by a modifier_rank=None gather
     shard_version: int  # counts write-backs of edits, so the optimizer can refresh its master
@@ -176,7 +179,7 @@ class ZeroParamState:
         self.world_size = world_size
         self.rank = rank
         self.partition_size, self.padding = shard_sizes(self.numel, world_size)
-        self.shard = self._make_shard(param.data, remote_device, shard_out)
+        self._set_shard(self._make_shard(param.data, remote_device, shard_out))
         # What param.data holds while partitioned: shape [0], the parameter's dtype and device.
         self.placeholder = _empty_like_data(param.data)
         self.status = ZeroParamStatus.AVAILABLE
@@ -184,6 +187,7 @@ class ZeroParamState:
         self.persist = False
         self.active_sub_modules = set()
         self.pending = None
+        self.full_buffer = None
         self.param_type = ZeroParamType.REMOTE if remote_device is not None else ZeroParamType.PARTITIONED
         self.sanity_checks = False
         self.external_owners = []
@@ -200,12 +204,13 @@ class ZeroParamState:
         state.__dict__.update(source.__dict__)
         state.param = param
         state.ds_id = PARAM_IDS.next()
-        state.shard = source.shard.clone()
+        state._set_shard(source.shard.clone())
         state.placeholder = _empty_like_data(source.placeholder)
         state.status = ZeroParamStatus.NOT_AVAILABLE
         state.holds = {}
         state.active_sub_modules = set()
         state.pending = None
+        state.full_buffer = None
         state.external_owners = []
         return state
 
@@ -221,6 +226,15 @@ class ZeroParamState:
             shard = shard_out  # a zeroed view into a flat buffer shared with sibling parameters
         self._copy_own_slice(full, shard)
         return shard
+
+    def _set_shard(self, shard: torch.Tensor) -> None:
+        """Make `shard` the shard, recording which flat tensor it is a view of, and where."""
+        base = shard._base
+        if base is None or base.dim() != 1 or not base.is_contiguous() or not shard.is_contiguous():
+            base = shard
+        self.shard = shard
+        self.shard_base = base
+        self.shard_offset = shard.storage_offset() - base.storage_offset()
 
     def own_slice_bounds(self) -> tuple:
         """`[start, end)` of this rank's real (non-padding) elements in the flat tensor."""
@@ -245,7 +259,7 @@ class ZeroParamState:
             f"[rank {self.rank}] ds_id={self.ds_id} re-typed while held by {list(self.holds)}"
         )
         out.copy_(self.shard)
-        self.shard = out
+        self._set_shard(out)
         self.placeholder = torch.empty(0, dtype=out.dtype, device=self.placeholder.device)
         with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
             self.param.data = self.placeholder
@@ -318,6 +332,86 @@ class ZeroParamState:
             "partition_size": self.partition_size,
             "padding": self.padding,
         }
+
+
+# ---------------------------------------------------------------------- bulk transitions
+# [Note: bulk transitions]
+# A gather moves a whole bucket of parameters at once, so the hot path (every submodule's
+# forward and backward, every GatheredParameters) does these in one pass per list instead of
+# one method call per parameter. Each does what the per-state method of the same name does,
+# checking the same precondition on every state before it changes any.
+
+
+def hold_all(states: list, owner: object) -> tuple:
+    """One hold for `owner` on each state; returns `(not_available, pending_buckets)` among them."""
+    missing, pending = [], {}
+    for s in states:
+        holds = s.holds
+        holds[owner] = holds.get(owner, 0) + 1
+        status = s.status
+        if status is ZeroParamStatus.NOT_AVAILABLE:
+            missing.append(s)
+        elif status is ZeroParamStatus.INFLIGHT:
+            pending[id(s.pending)] = s.pending
+    return missing, list(pending.values())
+
+
+def unhold_all(states: list, owner: object) -> list:
+    """Drop one of `owner`'s holds on each state; returns those nobody holds any more, persistent ones aside."""
+    unheld = []
+    for s in states:
+        holds = s.holds
+        count = holds.get(owner, 0)
+        if count == 1:
+            del holds[owner]
+            if not holds and not s.persist:
+                unheld.append(s)
+        else:
+            assert count > 0, f"[rank {s.rank}] ds_id={s.ds_id} released by {owner!r}, which holds none"
+            holds[owner] = count - 1
+    return unheld
+
+
+def all_to_inflight(states: list, bucket: Any) -> None:
+    for s in states:
+        if s.status is not ZeroParamStatus.NOT_AVAILABLE:
+            s._require(ZeroParamStatus.NOT_AVAILABLE, "to_inflight")
+    for s in states:
+        s.pending = bucket
+        s.status = ZeroParamStatus.INFLIGHT
+
+
+def all_to_available(states: list, fulls: list, buffers: list) -> None:
+    """Install each gathered tensor (shape `state.shape`) as its parameter's data.
+
+    `buffers[i]` is what `fulls[i]`'s memory belongs to, kept in `full_buffer` (see gather.py).
+    """
+    inflight, available = ZeroParamStatus.INFLIGHT, ZeroParamStatus.AVAILABLE
+    for s in states:
+        if s.status is not inflight:
+            s._require(inflight, "to_available")
+    with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
+        for s, full, buffer in zip(states, fulls, buffers):
+            s.param.data = full
+            s.full_buffer = buffer
+            s.pending = None
+            s.status = available
+
+
+def all_to_released(states: list) -> list:
+    """Free the gathered tensors; only the shards remain. Returns their `full_buffer`s, now cleared."""
+    available, released = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
+    for s in states:
+        if s.status is not available or s.holds:
+            s._require(available, "to_released")
+            assert not s.holds, f"[rank {s.rank}] ds_id={s.ds_id} released while held by {list(s.holds)}"
+    buffers = [s.full_buffer for s in states]
+    with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
+        for s in states:
+            s.param.data = s.placeholder
+            s.full_buffer = None
+            s.status = released
+    return buffers
 
 
 _NOT_INTERCEPTED = object()
