@@ -39,20 +39,20 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.param_state import (
+    ZeroParameter,
     ZeroParamState,
     ZeroParamStatus,
     all_to_available,
     all_to_inflight,
     all_to_released,
     hold_all,
-    is_zero_param,
     unhold_all,
 )
 
 
 def zero_states(params: Iterable) -> list:
     """The states of the ZeRO parameters among `params`, de-duplicated and sorted by ds_id."""
-    seen = {(s := p._zero_state).ds_id: s for p in params if is_zero_param(p)}
+    seen = {(s := p._zero_state).ds_id: s for p in params if isinstance(p, ZeroParameter)}
     ids = list(seen)
     if ids == sorted(ids):
         return list(seen.values())  # already in order (a module's parameters usually are)
@@ -77,21 +77,36 @@ def _buckets_by_group_and_dtype(states: list) -> list:
     return list(buckets.values())
 
 
-def _flat_input(states: list, device: torch.device) -> torch.Tensor:
-    """This rank's shards of `states` (one group and dtype), back to back in one 1D tensor on `device`.
+def _adjacent_end(states: list) -> int:
+    """Where the shards of `states` end in their shared flat buffer, if they lie back to back in one; else -1.
 
-    Shards that Init placed back to back (one module's) are a view of their flat buffer, found
-    from the bases the states recorded, with no per-shard tensor call; others are concatenated.
+    Init puts each module's shards back to back; the states record which flat buffer their
+    shard is a view of, so this needs no tensor call per shard.
     """
     first = states[0]
     base = getattr(first, "shard_base", None)  # stages 1 and 2 pass states that record none
     if base is None:
-        return torch.cat([t.shard.to(device, non_blocking=True) for t in states])
+        return -1
     end = first.shard_offset
     for s in states:
         if s.shard_base is not base or s.shard_offset != end:
-            return torch.cat([t.shard.to(device, non_blocking=True) for t in states])
+            return -1
         end += s.partition_size
+    return end
+
+
+def _flat_input(states: list, device: torch.device, end: Optional[int] = None) -> torch.Tensor:
+    """This rank's shards of `states` (one group and dtype), back to back in one 1D tensor on `device`.
+
+    A view of their flat buffer when they lie back to back in one (`end`, see `_adjacent_end`),
+    else a concatenation.
+    """
+    if end is None:
+        end = _adjacent_end(states)
+    if end < 0:
+        return torch.cat([t.shard.to(device, non_blocking=True) for t in states])
+    first = states[0]
+    base = first.shard_base
     if len(states) == 1:
         flat = first.shard
     elif first.shard_offset == 0 and end == base.shape[0]:
@@ -175,6 +190,7 @@ class _FullBuffer:
     key: tuple  # the ds_ids of that run
     base: Any  # weakref to the run's shard base: ds_ids alone are reset by tests
     flat: torch.Tensor  # 1D, [world * sum(partition_size)]: the run's part of `buf`
+    sizes: list  # each parameter's partition_size, in the run's order
     dests: list  # [world, partition_size] views: the targets of the copy out of a rank-major output
     fulls: list  # each parameter's full tensor (its shape), a view of `buf`
     refs: int  # how many tensors share `buf`'s storage when only this object holds views of it
@@ -187,7 +203,8 @@ class _FullBuffer:
     def lay_out(self, run: list, key: tuple) -> None:
         """Make the views for `run` (parameter by parameter, each one's padding at its end)."""
         world = run[0].world_size
-        sizes = [world * s.partition_size for s in run]
+        self.sizes = [s.partition_size for s in run]
+        sizes = [world * n for n in self.sizes]
         numel = sum(sizes)
         self.key, self.base = key, weakref.ref(run[0].shard_base)
         self.flat = self.buf if self.buf.shape[0] == numel else self.buf[:numel]
@@ -291,11 +308,16 @@ class _GatherBucket:
         self.flat_out = None
         self._work = None
         self._single: Optional[_FullBuffer] = None  # one parameter: gathered straight into its buffer
+        self._one_run = False  # whether the states' shards lie back to back in one flat buffer
+        self._expected = ZeroParamStatus.INFLIGHT  # the states' status until wait() installs them
         self.done = False
 
-    def issue(self, device: torch.device) -> None:
+    def issue(self, device: torch.device, inflight: bool = True) -> None:
+        """Start the all-gather. `inflight=False`: the caller waits at once, so states skip INFLIGHT."""
         states = self.states
-        flat_in = _flat_input(states, device)
+        end = _adjacent_end(states)
+        self._one_run = end >= 0  # one module's shards: one full buffer
+        flat_in = _flat_input(states, device, end)
         if len(states) == 1:
             # The output is the parameter's full tensor: no copy out.
             self._single = FULLS.take(states, flat_in.dtype, device)
@@ -303,7 +325,9 @@ class _GatherBucket:
         else:
             self.flat_out = SCRATCH.take(states[0].world_size * flat_in.shape[0], flat_in.dtype, device)
         self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=states[0].group, async_op=True)
-        all_to_inflight(states, self)
+        self._expected = ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
+        if inflight:
+            all_to_inflight(states, self)
 
     def wait(self) -> None:
         if self.done:
@@ -313,32 +337,34 @@ class _GatherBucket:
         if self._single is not None:
             buffers = [self._single]
         else:
-            buffers = _copy_out(self.flat_out, self.states)
+            buffers = _copy_out(self.flat_out, self.states, self._one_run)
             SCRATCH.give_back(self.flat_out)
         if len(buffers) == 1:
             fb = buffers[0]
             fb.live = len(fb.fulls)
-            all_to_available(self.states, fb.fulls, [fb] * fb.live)
+            all_to_available(self.states, fb.fulls, [fb] * fb.live, self._expected)
         else:
             fulls, owners = [], []
             for fb in buffers:
                 fb.live = len(fb.fulls)
                 fulls.extend(fb.fulls)
                 owners.extend([fb] * fb.live)
-            all_to_available(self.states, fulls, owners)
+            all_to_available(self.states, fulls, owners, self._expected)
         self.flat_out = None
         self.done = True
 
 
-def _copy_out(flat_out: torch.Tensor, states: list) -> list:
+def _copy_out(flat_out: torch.Tensor, states: list, one_run: bool) -> list:
     """One `_FullBuffer` per run of `states`, filled from their rank-major all-gather output in one copy."""
-    device, dtype = flat_out.device, flat_out.dtype
+    device, dtype, world = flat_out.device, flat_out.dtype, states[0].world_size
+    if one_run:
+        fb = FULLS.take(states, dtype, device)
+        torch.split_with_sizes_copy(flat_out.view(world, -1), fb.sizes, dim=1, out=fb.dests)
+        return [fb]
     buffers = [FULLS.take(run, dtype, device) for run in _runs(states)]
-    dests = buffers[0].dests if len(buffers) == 1 else [d for fb in buffers for d in fb.dests]
-    world = states[0].world_size
-    torch.split_with_sizes_copy(
-        flat_out.view(world, -1), [s.partition_size for s in states], dim=1, out=dests
-    )
+    dests = [d for fb in buffers for d in fb.dests]
+    sizes = [n for fb in buffers for n in fb.sizes]
+    torch.split_with_sizes_copy(flat_out.view(world, -1), sizes, dim=1, out=dests)
     return buffers
 
 
@@ -447,7 +473,7 @@ def fetch_states(states: list, owner: object, async_op: bool = False) -> GatherH
         device = _compute_device()
         for group_states in _buckets_by_group_and_dtype(missing):
             bucket = _GatherBucket(group_states)
-            bucket.issue(device)
+            bucket.issue(device, inflight=async_op)  # waited on below, before anyone can look
             buckets.append(bucket)
     handle = GatherHandle(buckets + in_flight)
     if not async_op:

@@ -381,15 +381,18 @@ def all_to_inflight(states: list, bucket: Any) -> None:
         s.status = ZeroParamStatus.INFLIGHT
 
 
-def all_to_available(states: list, fulls: list, buffers: list) -> None:
+def all_to_available(
+    states: list, fulls: list, buffers: list, expected: ZeroParamStatus = ZeroParamStatus.INFLIGHT
+) -> None:
     """Install each gathered tensor (shape `state.shape`) as its parameter's data.
 
     `buffers[i]` is what `fulls[i]`'s memory belongs to, kept in `full_buffer` (see gather.py).
+    `expected` is NOT_AVAILABLE for a gather its caller waited on at once (never INFLIGHT).
     """
-    inflight, available = ZeroParamStatus.INFLIGHT, ZeroParamStatus.AVAILABLE
+    available = ZeroParamStatus.AVAILABLE
     for s in states:
-        if s.status is not inflight:
-            s._require(inflight, "to_available")
+        if s.status is not expected:
+            s._require(expected, "to_available")
     with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
         for s, full, buffer in zip(states, fulls, buffers):
             s.param.data = full
