@@ -6,13 +6,19 @@
 
 For each parameter count P a model of P parameters (odd sizes, 1D and 2D, about
 `--total-mb` MB of fp32 in all) is built under `deepspeed.zero.Init`. Each repetition then
-times the three variants back to back (rotating which goes first: abc, bca, cab, ...) so
-that machine drift and position hit all three alike:
+times the variants back to back, in a fresh order each repetition (seeded by the
+repetition, so every rank agrees), so that machine drift and position hit all of them alike:
 
   (a) start_stop  `g = GatheredParameters(params).start(); g.stop()`
   (b) with        `with GatheredParameters(params): pass`
   (c) raw         one `deepspeed.comm.all_gather_into_tensor` of this rank's total shard
                   size (padding included) into a preallocated output: the lower bound.
+  (d) copy_floor  (c), then one `torch.split_with_sizes_copy` of the rank-major output into
+                  preallocated `[world, partition_size]` buffers, one per parameter: what a
+                  gather that hands out one tensor per parameter pays at least (the copy is
+                  timed at P = 1 too, where ours needs none: the output is the parameter).
+  (e) fsdp2       `unshard()` then `reshard()` of the same shapes under PyTorch FSDP2
+                  (`fully_shard` on a CPU device mesh, gloo), built outside Init.
 
 Each timed region starts after a `dist.barrier()`; a repetition's time is the max over
 ranks, and the figure reported is the median over repetitions (after warm-up).
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import random
 import statistics
 import sys
 import time
@@ -38,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _launch  # noqa: E402 - the benchmarks folder is not a package
 
-VARIANTS = ("start_stop", "with", "raw_allgather")
+VARIANTS = ("start_stop", "with", "raw_allgather", "copy_floor", "fsdp2")
 
 
 def param_shapes(count: int, total_elems: int) -> list:
@@ -71,11 +78,27 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _variants(params: list, world_size: int) -> dict:
-    """The three timed bodies for one model, sharing one raw buffer pair."""
-    shard_elems = sum(p.partition_numel() for p in params)
+def _fsdp2_bank(shapes: list, world_size: int):
+    """The same shapes as one FSDP2 module (`fully_shard` on a CPU mesh); None without FSDP2."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        return None
+    bank = ParamBank(shapes)
+    fully_shard(bank, mesh=init_device_mesh("cpu", (world_size,)))
+    return bank
+
+
+def _variants(params: list, shapes: list, world_size: int) -> dict:
+    """The timed bodies for one model, sharing one raw buffer pair."""
+    sizes = [p.partition_numel() for p in params]
+    shard_elems = sum(sizes)
     raw_in = torch.randn(shard_elems)
     raw_out = torch.empty(world_size * shard_elems)
+    rows = raw_out.view(world_size, shard_elems)
+    per_param = [torch.empty(world_size, n) for n in sizes]
+    fsdp2 = _fsdp2_bank(shapes, world_size)
 
     def start_stop() -> None:
         g = deepspeed.zero.GatheredParameters(params).start()
@@ -88,7 +111,22 @@ def _variants(params: list, world_size: int) -> dict:
     def raw() -> None:
         dist.all_gather_into_tensor(raw_out, raw_in)
 
-    return {"start_stop": start_stop, "with": with_form, "raw_allgather": raw, "shard_elems": shard_elems}
+    def copy_floor() -> None:
+        dist.all_gather_into_tensor(raw_out, raw_in)
+        torch.split_with_sizes_copy(rows, sizes, dim=1, out=per_param)
+
+    def fsdp2_unshard() -> None:
+        fsdp2.unshard()
+        fsdp2.reshard()
+
+    return {
+        "start_stop": start_stop,
+        "with": with_form,
+        "raw_allgather": raw,
+        "copy_floor": copy_floor,
+        "fsdp2": fsdp2_unshard if fsdp2 is not None else None,
+        "shard_elems": shard_elems,
+    }
 
 
 def _check_gather(params: list, shapes: list) -> None:
@@ -108,31 +146,53 @@ def measure_one(count: int, cfg: dict, world_size: int) -> dict:
         model = ParamBank(shapes)
     params = list(model.parameters())
     _check_gather(params, shapes)
-    bodies = _variants(params, world_size)
+    bodies = _variants(params, shapes, world_size)
+    names = [name for name in VARIANTS if bodies[name] is not None]
     for _ in range(cfg["warmup"]):
-        for name in VARIANTS:
+        for name in names:
             bodies[name]()
     local = []
     for rep in range(cfg["reps"]):
-        # Interleaved, and rotated each repetition (abc, bca, cab, ...) so that neither
-        # drift nor "who runs right after the barrier" favours one variant.
-        order = [VARIANTS[(rep + k) % len(VARIANTS)] for k in range(len(VARIANTS))]
+        # Interleaved, in a fresh order each repetition (the same on every rank: the seed is
+        # the repetition), so that neither drift, nor "who runs right after the barrier", nor
+        # "who runs right after FSDP2 freed its memory" favours one variant. A plain rotation
+        # keeps each variant's predecessor fixed.
+        order = random.Random(rep).sample(names, len(names))
         times = {name: _timed(bodies[name]) for name in order}
-        local.extend(times[name] for name in VARIANTS)
+        local.extend(times[name] for name in names)
     worst = _launch.max_over_ranks(local)  # per repetition and variant: the slowest rank
-    medians = {name: statistics.median(worst[i :: len(VARIANTS)]) for i, name in enumerate(VARIANTS)}
+    medians = dict.fromkeys(VARIANTS)
+    medians.update({name: statistics.median(worst[i :: len(names)]) for i, name in enumerate(names)})
     numel = sum(p.ds_numel for p in params)
+    ours = medians["start_stop"]
     return {
         "params": count,
         "bytes": numel * 4,
         "shard_bytes_per_rank": bodies["shard_elems"] * 4,
-        "start_stop_s": medians["start_stop"],
+        "start_stop_s": ours,
         "with_s": medians["with"],
         "raw_allgather_s": medians["raw_allgather"],
-        "ratio_vs_raw_allgather": medians["start_stop"] / medians["raw_allgather"],
-        "start_stop_vs_with": medians["start_stop"] / medians["with"],
+        "copy_floor_s": medians["copy_floor"],
+        "fsdp2_s": medians["fsdp2"],
+        "ratio_vs_raw_allgather": ours / medians["raw_allgather"],
+        "start_stop_vs_with": ours / medians["with"],
+        "ratio_vs_copy_floor": ours / medians["copy_floor"],
+        "ratio_vs_fsdp2": ours / medians["fsdp2"] if medians["fsdp2"] else None,
         "reps": cfg["reps"],
     }
+
+
+def summary(results: dict) -> dict:
+    """The headline ratios over every P: the worst (largest) of each, None where unmeasured."""
+    out = {}
+    for key in ("ratio_vs_copy_floor", "ratio_vs_fsdp2"):
+        values = [row[key] for row in results.values() if row[key] is not None]
+        out[key] = max(values) if values else None
+    out["worst_case"] = {
+        key: max(results, key=lambda k: results[k][key] or 0.0) if out[key] is not None else None
+        for key in ("ratio_vs_copy_floor", "ratio_vs_fsdp2")
+    }
+    return out
 
 
 def rank_worker(rank: int, world_size: int, cfg: dict) -> dict:
@@ -140,19 +200,31 @@ def rank_worker(rank: int, world_size: int, cfg: dict) -> dict:
     return {f"P={count}": measure_one(count, cfg, world_size) for count in cfg["counts"]}
 
 
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
 def format_table(results: dict, world_size: int) -> str:
     lines = [
-        f"GatheredParameters vs raw all_gather_into_tensor, {world_size} gloo CPU ranks "
-        "(median of per-repetition max over ranks)",
-        f"{'P':>5} {'bytes':>10} {'start/stop ms':>14} {'with ms':>9} {'raw ms':>8} "
-        f"{'start_stop/raw':>15} {'start_stop/with':>16}",
+        f"GatheredParameters vs raw all_gather_into_tensor, copy floor and FSDP2, {world_size} gloo CPU "
+        "ranks (median of per-repetition max over ranks)",
+        f"{'P':>5} {'bytes':>10} {'start/stop ms':>14} {'with ms':>9} {'raw ms':>8} {'floor ms':>9} "
+        f"{'fsdp2 ms':>9} {'start_stop/raw':>15} {'start_stop/with':>16} {'start_stop/floor':>17} "
+        f"{'start_stop/fsdp2':>17}",
     ]
     for row in results.values():
+        fsdp2 = row["ratio_vs_fsdp2"]
         lines.append(
-            f"{row['params']:>5} {row['bytes']:>10} {row['start_stop_s'] * 1e3:>14.3f} "
-            f"{row['with_s'] * 1e3:>9.3f} {row['raw_allgather_s'] * 1e3:>8.3f} "
-            f"{row['ratio_vs_raw_allgather']:>15.2f} {row['start_stop_vs_with']:>16.3f}"
+            f"{row['params']:>5} {row['bytes']:>10} {_ms(row['start_stop_s']):>14} {_ms(row['with_s']):>9} "
+            f"{_ms(row['raw_allgather_s']):>8} {_ms(row['copy_floor_s']):>9} {_ms(row['fsdp2_s']):>9} "
+            f"{row['ratio_vs_raw_allgather']:>15.2f} {row['start_stop_vs_with']:>16.3f} "
+            f"{row['ratio_vs_copy_floor']:>17.3f} {'-' if fsdp2 is None else f'{fsdp2:.3f}':>17}"
         )
+    head = summary(results)
+    lines.append(
+        f"worst P: start/stop / copy floor {head['ratio_vs_copy_floor']:.3f} (target <= 1.1), "
+        f"start/stop / FSDP2 {head['ratio_vs_fsdp2'] or float('nan'):.3f} (target <= 0.6)"
+    )
     return "\n".join(lines)
 
 
@@ -183,6 +255,7 @@ def main(argv=None) -> int:
     print(format_table(results, args.world_size))
     if args.json:
         report = {
+            **summary(results),
             "gather": results,
             "world_size": args.world_size,
             "backend": "gloo",

@@ -7,7 +7,8 @@ Sections (each reuses the functions of the script named, nothing is re-implement
   train_step  bench_train_step.py: decoder and MLP, fp32 and bf16, ours / upstream DeepSpeed
               0.19.8 / FSDP2 / DDP / single, 2 ranks, plus ours and upstream at ZeRO stages 1
               and 2 in the same rounds; headline: decoder fp32
-  gather      bench_gather.py: P = 1, 10, 100, start/stop vs with vs one raw all-gather, plus
+  gather      bench_gather.py: P = 1, 10, 100, start/stop vs with vs one raw all-gather, vs
+              raw + copy-out into preallocated per-parameter buffers, vs FSDP2, plus
               upstream's `with GatheredParameters` on the same shapes (_gather_upstream.py,
               run with the upstream venv's python); headline: P = 100
   init        bench_init_memory.py: peak RSS under Init vs S/N + L at world sizes 1, 2, 4
@@ -135,9 +136,13 @@ def run_gather(opts) -> dict:
         row["upstream_raw_allgather_s"] = up.get("raw_allgather_s")
         row["ratio_vs_upstream_with"] = row["with_s"] / up["with_s"] if up.get("with_s") else None
     head = ours[f"P={max(cfg['counts'])}"]
+    worst = bench_gather.summary(ours)  # ratio_vs_copy_floor, ratio_vs_fsdp2: the worst P
     return {
         "ratio_vs_raw_allgather": head["ratio_vs_raw_allgather"],
         "start_stop_vs_with": head["start_stop_vs_with"],
+        "ratio_vs_copy_floor": worst["ratio_vs_copy_floor"],
+        "ratio_vs_fsdp2": worst["ratio_vs_fsdp2"],
+        "worst_case": worst["worst_case"],
         "upstream_with_s": {key: row["upstream_with_s"] for key, row in ours.items()},
         "headline_case": f"P={max(cfg['counts'])}",
         "world_size": gargs.world_size,
