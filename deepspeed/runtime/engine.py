@@ -310,6 +310,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         """
         if self.partitions_weights:
             gather.refresh_gathered(self.zero_states)
+            gather.drop_pooled_buffers()  # between steps a rank keeps only what ZeRO-3 promises
             return
         if after_load:
             changed = sorted(self.replicated.values(), key=lambda s: s.ds_id)

@@ -141,6 +141,10 @@ class TestEngineParity(DistributedTest):
         local_params = sum(p.ds_tensor.numel() for p in params)
         masters = engine.optimizer.masters.values()
         assert all(m.grad is None for m in masters)  # gradient shards are freed after each step
+        # Buffers pooled for reuse within a pass are freed by its end and after the step.
+        from deepspeed.runtime.zero import gather
+
+        assert not any(gather.SCRATCH._free.values()) and not any(gather.FULLS._free.values())
         ids, labels = batches(1, seed=2)[0]
         engine.backward(engine(my_slice(ids), my_slice(labels)))
         local_grads = sum(m.grad.numel() for m in masters)

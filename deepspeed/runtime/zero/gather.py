@@ -283,6 +283,18 @@ class _FullPool:
 FULLS = _FullPool()
 
 
+def drop_pooled_buffers() -> None:
+    """Free what `SCRATCH` and `FULLS` keep for the next gather.
+
+    The engine calls this at the end of each pass and after each step: reuse pays within a
+    pass (each module's buffers serve the next module's gather), and between steps a rank
+    then holds nothing but its shards, optimizer state and persistent parameters, as ZeRO-3
+    promises (16 bytes per parameter / N), not two more copies of its largest module.
+    """
+    SCRATCH.clear()
+    FULLS.clear()
+
+
 def _runs(states: list) -> list:
     """`states` cut into runs whose shards share a flat buffer (one module's, as Init lays them out)."""
     runs, current = [], [states[0]]

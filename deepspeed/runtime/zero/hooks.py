@@ -400,6 +400,7 @@ class ParameterCoordinator:
         if self.prefetcher.recording and self.prefetcher.trace:
             self.prefetcher.finish_recording()
         self.prefetcher.end_pass()
+        gather.drop_pooled_buffers()
 
     def pass_holds(self) -> list:
         """Forward and backward holds that are live now (none between passes)."""
