@@ -40,6 +40,7 @@ _TARGETS = (
     ("deepspeed.runtime.zero.gather", "", "release_states", "gather: release_states"),
     ("deepspeed.runtime.zero.gather", "", "_all_gather_shards", "gather: copy+cat shards, launch"),
     ("deepspeed.runtime.zero.gather", "", "_cut_full_tensors", "gather: cut full tensors"),
+    ("deepspeed.runtime.zero.gather", "", "_copy_out", "gather: copy out into full tensors"),
     ("deepspeed.runtime.zero.gather", "_GatherBucket", "wait", "gather: bucket wait"),
     ("deepspeed.runtime.zero.gather", "", "refresh_gathered", "step: refresh persistent"),
     ("deepspeed.runtime.zero.grad_reducer", "GradientReducer", "add", "grad: reducer.add"),
