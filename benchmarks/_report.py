@@ -21,6 +21,8 @@ STAGE_PEERS += (("ours Z2", "ours_stage2_s"), ("upstream Z2", "upstream_stage2_s
 TARGETS = (
     ("train step ours / upstream (decoder fp32)", ("train_step", "ratio_vs_upstream"), 0.8),
     ("train step ours / FSDP2 (decoder fp32)", ("train_step", "ratio_vs_fsdp2"), 1.0),
+    ("train step ZeRO-3 ours / DDP (decoder fp32)", ("train_step", "ratio_vs_ddp"), 1.1),
+    ("train step ZeRO-3 ours / DDP (worst case)", ("train_step", "ratio_vs_ddp_worst"), 1.25),
     ("train step ZeRO-1 ours / DDP (decoder fp32)", ("train_step", "stage1_ratio_vs_ddp"), 1.05),
     ("train step ZeRO-2 ours / DDP (decoder fp32)", ("train_step", "stage2_ratio_vs_ddp"), 1.05),
     (
