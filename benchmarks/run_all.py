@@ -365,13 +365,13 @@ def run_scaling(opts, log_dir: Path) -> dict:
 
 
 def run_cpu_adam(opts) -> dict:
-    """bench_cpu_adam.py: 1M and 8M params, fp32 and bf16, 1 and 2 threads (64M: run it alone)."""
+    """bench_cpu_adam.py: 1M, 8M and 64M params, fp32 and bf16, 1 and 2 threads."""
     _section("cpu adam: ours / torch foreach / torch fused / upstream / memory floor")
     print(bench_cpu_adam.format_header(), flush=True)
     if opts.quick:
         sizes, dtypes, threads, rounds = [2**20], ["fp32"], [2], 2
     else:
-        sizes, dtypes, threads, rounds = [2**20, 8 * 2**20], ["fp32", "bf16"], [1, 2], 7
+        sizes, dtypes, threads, rounds = [2**20, 8 * 2**20, 64 * 2**20], ["fp32", "bf16"], [1, 2], 7
     upstream = None if opts.skip_upstream else opts.upstream_python
     return bench_cpu_adam.run(sizes, dtypes, threads, rounds, 3, upstream)
 
