@@ -483,9 +483,13 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             raise RuntimeError(
                 "engine.empty_partition_cache() was called during a forward or backward; call it between passes"
             )
-        for state in getattr(self, "zero_states", []):
-            if state.status is ZeroParamStatus.AVAILABLE and not state.holds:
-                state.to_released()
+        gather.release_unheld(
+            [
+                state
+                for state in getattr(self, "zero_states", [])
+                if state.status is ZeroParamStatus.AVAILABLE and not state.holds
+            ]
+        )
 
     def no_sync(self):
         """Upstream's context for accumulating gradients without reducing them.

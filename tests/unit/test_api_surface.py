@@ -589,6 +589,8 @@ class TestApiSurfaceDistributed(DistributedTest):
         assert persistent and all(p.ds_status is ZeroParamStatus.AVAILABLE for p in persistent)
         engine.empty_partition_cache()
         assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+        # ... and their gathered memory is gone too: no state keeps the buffer it was a view of
+        assert all(p._zero_state.full_buffer is None for p in engine.module.parameters())
         engine.eval()
         with torch.no_grad():
             out = engine(x)  # gathered again on demand

@@ -380,8 +380,12 @@ def _copy_out(flat_out: torch.Tensor, states: list, one_run: bool) -> list:
     return buffers
 
 
-def _release(states: list) -> None:
-    """Release `states` (nobody holds them): a run whose last gathered parameter this was goes back to `FULLS`."""
+def release_unheld(states: list) -> None:
+    """Free the gathered tensors of `states` (nobody holds them); only the shards remain.
+
+    A run whose last gathered parameter this was goes back to `FULLS`. Every release goes
+    through here, so no `full_buffer` outlives its parameters' gathered data.
+    """
     buffers = all_to_released(states)
     if not buffers:
         return
@@ -510,7 +514,7 @@ def release_states(states: list, owner: object, has_been_updated: bool = False) 
     if has_been_updated:
         for s in states:
             s.write_back()
-    _release(unhold_all(states, owner))
+    release_unheld(unhold_all(states, owner))
 
 
 def release_api_holds(params: Iterable, has_been_updated: bool = False) -> None:
@@ -529,9 +533,9 @@ def release_api_holds(params: Iterable, has_been_updated: bool = False) -> None:
             s.write_back()
         if PARAM_API in s.holds:
             if s.unhold(PARAM_API) and not s.persist:
-                _release([s])
+                release_unheld([s])
         elif not s.holds and not s.persist:
-            _release([s])
+            release_unheld([s])
 
 
 # Tensors at least this large are broadcast in place: coalescing them would copy them.
@@ -602,4 +606,4 @@ def find_discarded_edits(states: list) -> list:
 def partition_new_state(state: ZeroParamState) -> None:
     """First partition of a freshly converted parameter: its shard exists, free the full tensor."""
     if state.holders == 0 and not state.persist:
-        state.to_released()
+        release_unheld([state])

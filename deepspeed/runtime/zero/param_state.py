@@ -272,29 +272,6 @@ class ZeroParamState:
             f"[rank {self.rank}] ds_id={self.ds_id}: {action} needs status {expected.name}, found {self.status.name}"
         )
 
-    def to_inflight(self, bucket: Any) -> None:
-        self._require(ZeroParamStatus.NOT_AVAILABLE, "to_inflight")
-        self.pending = bucket
-        self.status = ZeroParamStatus.INFLIGHT
-
-    def to_available(self, full: torch.Tensor) -> None:
-        """Install the gathered tensor (shape `self.shape`) as the parameter's data."""
-        self._require(ZeroParamStatus.INFLIGHT, "to_available")
-        with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
-            self.param.data = full
-        self.pending = None
-        self.status = ZeroParamStatus.AVAILABLE
-
-    def to_released(self) -> None:
-        """Free the gathered tensor; only the shard remains."""
-        self._require(ZeroParamStatus.AVAILABLE, "to_released")
-        assert not self.holds, (
-            f"[rank {self.rank}] ds_id={self.ds_id} released while held by {list(self.holds)}"
-        )
-        with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
-            self.param.data = self.placeholder
-        self.status = ZeroParamStatus.NOT_AVAILABLE
-
     # ------------------------------------------------------------------ holders
 
     @property
