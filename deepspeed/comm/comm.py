@@ -11,6 +11,7 @@ DeepSpeed's names for callers and call the newer functions where torch has them.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Any, Optional
@@ -185,6 +186,18 @@ def init_distributed(
         world_size=world_value,
         timeout=timeout or default_timeout(),
     )
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the group this module created, if the program did not, before the interpreter tears down.
+
+    A gloo group left to be destroyed during interpreter teardown can abort the process
+    ("terminate called without an active exception") after a run that otherwise succeeded.
+    Destroying it is local (no collective), so it cannot hang on a peer that already exited.
+    """
+    if _dist.is_available() and _dist.is_initialized():
+        _dist.destroy_process_group()
 
 
 def is_initialized() -> bool:
