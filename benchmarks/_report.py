@@ -341,6 +341,11 @@ def markdown(report: dict) -> str:
         f"upstream DeepSpeed {upstream}; total {report['wall_s']:.0f} s{' (--quick)' if report['quick'] else ''}.",
         targets_table(report),
     ]
+    if report.get("updated_sections"):
+        parts[0] += (
+            f" Sections re-measured in this run (`run_all.py --update`): {', '.join(report['updated_sections'])};"
+            f" the others are from the run of {report['first_run_date']}."
+        )
     sections = (
         ("train_step", "Train step, 2 ranks, median s per step", train_table),
         (

@@ -413,16 +413,32 @@ def _accelerator_name() -> str:
     return get_accelerator().device_name()
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: VmHWM, where Linux has it.
+
+    Not `ru_maxrss`: Linux carries it across fork and exec, so a worker started by a parent
+    that had grown large (run_all after the 64M CPU Adam section) reports the parent's peak.
+    VmHWM belongs to the process's own address space, which exec makes new.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def memory_report(distributed: bool) -> dict:
     """Every rank's live tensor bytes, in all and by device, and its optimizer's bytes by device.
 
     A collective when distributed (the totals); the by-device figures are rank 0's, carried
     in the JSON as they are (devices can differ in name between implementations).
     """
-    import resource
-
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    local = torch.tensor([float(live_tensor_bytes()), float(peak_rss)], dtype=torch.float64)
+    local = torch.tensor([float(live_tensor_bytes()), float(peak_rss_bytes())], dtype=torch.float64)
     extra = {
         "live_by_device": live_bytes_by_device(),
         "optimizer_by_device": optimizer_bytes_by_device(),
@@ -434,7 +450,7 @@ def memory_report(distributed: bool) -> dict:
         tdist.all_gather(rows, local)
     return {
         "state_bytes": [int(t[0].item()) for t in rows],
-        # The process's peak resident set since it started (model build included): ru_maxrss.
+        # The process's peak resident set since it started (model build included).
         "peak_rss_bytes": [int(t[1].item()) for t in rows],
         **extra,
     }

@@ -422,7 +422,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--only",
         default="train_step,gather,init,scaling,cpu_adam,agreement,gpt2_small",
-        help="comma list of sections to run (others null)",
+        help="comma list of sections to run (others null, or kept with --update)",
+    )
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the sections not run from <out-dir>/latest.json (re-measure one section after a "
+        "disturbed run); the header names the sections re-measured",
     )
     return parser.parse_args(argv)
 
@@ -435,6 +441,12 @@ def main(argv=None) -> int:
     only = set(opts.only.split(","))
     sections = ("train_step", "gather", "init", "scaling", "cpu_adam", "agreement", "gpt2_small")
     report: dict = dict.fromkeys(sections)
+    previous = opts.out_dir / "latest.json"
+    if opts.update and previous.exists():
+        kept = json.loads(previous.read_text())
+        report.update({k: kept.get(k) for k in sections if k not in only})
+        report["updated_sections"] = sorted(only & set(sections))
+        report["first_run_date"] = kept.get("first_run_date", kept.get("date"))
     with tempfile.TemporaryDirectory(prefix="bench_all_") as tmp:
         if "train_step" in only:
             report["train_step"] = run_train(opts, Path(tmp))
