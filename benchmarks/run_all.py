@@ -438,30 +438,34 @@ def main(argv=None) -> int:
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     load_before = os.getloadavg()
-    only = set(opts.only.split(","))
-    sections = ("train_step", "gather", "init", "scaling", "cpu_adam", "agreement", "gpt2_small")
-    report: dict = dict.fromkeys(sections)
+    runners = {
+        "train_step": lambda tmp: run_train(opts, tmp),
+        "gather": lambda tmp: run_gather(opts),
+        "init": lambda tmp: run_init(opts),
+        "scaling": lambda tmp: run_scaling(opts, tmp),
+        "cpu_adam": lambda tmp: run_cpu_adam(opts),
+        "agreement": lambda tmp: run_agreement(opts),
+        "gpt2_small": lambda tmp: run_gpt2_small(opts, tmp),
+    }
+    only = {name for name in opts.only.split(",") if name}
+    unknown = sorted(only - set(runners))
+    if unknown:
+        raise SystemExit(f"--only: unknown section(s) {unknown}; choose from {', '.join(runners)}")
+    report: dict = dict.fromkeys(runners)
     previous = opts.out_dir / "latest.json"
-    if opts.update and previous.exists():
+    if opts.update:
+        if not previous.exists():
+            raise SystemExit(
+                f"--update keeps the other sections of {previous}, which does not exist; run without it"
+            )
         kept = json.loads(previous.read_text())
-        report.update({k: kept.get(k) for k in sections if k not in only})
-        report["updated_sections"] = sorted(only & set(sections))
+        report.update({k: kept.get(k) for k in runners if k not in only})
+        report["updated_sections"] = sorted(only)
         report["first_run_date"] = kept.get("first_run_date", kept.get("date"))
     with tempfile.TemporaryDirectory(prefix="bench_all_") as tmp:
-        if "train_step" in only:
-            report["train_step"] = run_train(opts, Path(tmp))
-        if "gather" in only:
-            report["gather"] = run_gather(opts)
-        if "init" in only:
-            report["init"] = run_init(opts)
-        if "scaling" in only:
-            report["scaling"] = run_scaling(opts, Path(tmp))
-        if "cpu_adam" in only:
-            report["cpu_adam"] = run_cpu_adam(opts)
-        if "agreement" in only:
-            report["agreement"] = run_agreement(opts)
-        if "gpt2_small" in only:
-            report["gpt2_small"] = run_gpt2_small(opts, Path(tmp))
+        for name, run_section in runners.items():  # the order of the report
+            if name in only:
+                report[name] = run_section(Path(tmp))
     report.update(
         machine=_report.machine(load_before),
         versions=_versions(opts),
