@@ -39,7 +39,6 @@ _TARGETS = (
     ("deepspeed.runtime.zero.gather", "", "zero_states", "gather: zero_states"),
     ("deepspeed.runtime.zero.gather", "", "release_states", "gather: release_states"),
     ("deepspeed.runtime.zero.gather", "", "_all_gather_shards", "gather: copy+cat shards, launch"),
-    ("deepspeed.runtime.zero.gather", "", "_cut_full_tensors", "gather: cut full tensors"),
     ("deepspeed.runtime.zero.gather", "", "_copy_out", "gather: copy out into full tensors"),
     ("deepspeed.runtime.zero.gather", "_GatherBucket", "wait", "gather: bucket wait"),
     ("deepspeed.runtime.zero.gather", "", "refresh_gathered", "step: refresh persistent"),
@@ -55,7 +54,7 @@ _TARGETS = (
     # all-gather of the updated slices back into the full parameters.
     ("deepspeed.runtime.engine", "", "reduce_accumulated_grads", "z1: reduce accumulated grads"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_refresh_full_params", "z12: refresh full params"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "", "_gather_bucket", "z12: all-gather + copy into params"),
+    ("deepspeed.runtime.zero.gather", "", "_gather_bucket", "step: all-gather + copy into params"),
     ("deepspeed.runtime.zero.grad_reducer", "GradientReducer", "_reduce", "grad: pack+reduce+accumulate"),
     ("deepspeed.runtime.zero.stage3", "ZeroStage3Optimizer", "step", "optim: ZeRO step"),
     ("deepspeed.runtime.zero.stage3", "ZeroStage3Optimizer", "_global_norm", "optim: global grad norm"),

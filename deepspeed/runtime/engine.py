@@ -29,7 +29,6 @@ from deepspeed.runtime.zero.param_state import ZeroParamStatus, is_zero_param
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters, Init, cast_partitioned
 from deepspeed.runtime.zero.stage3 import ZeroStage3Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import (
-    gather_updated_slices,
     make_replicated_shards,
     reduce_accumulated_grads,
     refuse_partitioned,
@@ -316,7 +315,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             changed = sorted(self.replicated.values(), key=lambda s: s.ds_id)
         else:
             changed = self.optimizer.states if self.optimizer is not None else []
-        gather_updated_slices(changed, self._config.zero_config.allgather_bucket_size)
+        gather.gather_into_params(changed, self._config.zero_config.allgather_bucket_size)
 
     def _shard_state_of(self, param: nn.Parameter) -> Any:
         """The object holding `param`'s shard on this rank: a ZeroParamState (stage 3) or a

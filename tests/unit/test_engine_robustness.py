@@ -341,7 +341,7 @@ class TestReplicatedStages(DistributedTest):
     @pytest.mark.parametrize("stage", [0, 1, 2])
     def test_full_parameters_sharded_state_and_when_gradients_reduce(self, stage):
         # Several all-gather buckets after each step, with padded (head.bias: 3 elements over 2
-        # ranks) and unpadded parameters in them (stage_1_and_2.gather_updated_slices).
+        # ranks) and unpadded parameters in them (gather.gather_into_params).
         zero = {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 40}
         engine, reference = twin(OutsideUses, zero_optimization=zero)
         model = engine.module

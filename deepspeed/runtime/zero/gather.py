@@ -401,24 +401,6 @@ def release_unheld(states: list) -> None:
                 FULLS.give_back(fb)
 
 
-def _cut_full_tensors(flat_out: torch.Tensor, states: list) -> list:
-    """Each state's full tensor (its shape) out of a rank-major coalesced all-gather output.
-
-    Fresh tensors, one buffer for all (stages 1 and 2 and refreshes copy them into place).
-    """
-    world = states[0].world_size
-    if len(states) == 1:
-        # The whole output belongs to one parameter: a view, no copy.
-        s = states[0]
-        full = flat_out if s.padding == 0 else flat_out[: s.numel]
-        return [full if len(s.shape) == 1 else full.view(s.shape)]
-    sizes = [s.partition_size for s in states]
-    buf = torch.empty(world * sum(sizes), dtype=flat_out.dtype, device=flat_out.device)
-    dests, fulls = _views(buf, states, [world * n for n in sizes])
-    torch.split_with_sizes_copy(flat_out.view(world, -1), sizes, dim=1, out=dests)
-    return fulls
-
-
 def refresh_gathered(states: list) -> None:
     """Re-gather AVAILABLE tensors from their (updated) shards, in place: one collective per bucket.
 
@@ -429,31 +411,63 @@ def refresh_gathered(states: list) -> None:
 
 
 def gather_into_params(states: list, bucket_elems: int = 0) -> None:
-    """All-gather the shards of `states` and copy each full tensor into `state.param.data`, in place.
+    """All-gather every rank's shards of `states` into their full `param.data`, in place.
 
-    One collective per (group, dtype) bucket, cut at `bucket_elems` gathered elements when
-    given (stages 1 and 2: `allgather_bucket_size`), so the temporary output stays bounded.
+    Stages 1 and 2 after a step (the updated slices of replicated parameters), and stage 3's
+    refresh of what stays gathered.
+
+    One collective per (group, dtype) bucket, closed once it holds `bucket_elems` gathered
+    elements (`allgather_bucket_size`; 0: no limit), so the temporary output stays bounded. The
+    output is rank-major (`[rank 0: p0 slice, p1 slice, ...][rank 1: ...]`); one fused copy
+    moves each parameter's column block straight into its storage, which is
+    `[world, partition_size]` when it has no padding. A padded parameter's block goes
+    through a small buffer first, since its last rank's slice runs past its end.
     """
-    if not states:
-        return
-    device = _compute_device()
-    for same in _buckets_by_group_and_dtype(states):
-        chunk, elems = [], 0
+    by_key: dict = {}
+    for s in states:
+        by_key.setdefault((id(s.group), s.shard.dtype), []).append(s)
+    for same in by_key.values():
+        buckets, chunk, elems = [], [], 0
         for s in same:
             chunk.append(s)
             elems += s.world_size * s.partition_size
             if bucket_elems and elems >= bucket_elems:
-                _gather_chunk_into_params(chunk, device)
+                buckets.append(chunk)
                 chunk, elems = [], 0
         if chunk:
-            _gather_chunk_into_params(chunk, device)
+            buckets.append(chunk)
+        # One output buffer serves every bucket in turn (each completes before the next): a
+        # fresh multi-MB buffer per bucket costs page faults on the CPU.
+        first, device = same[0], _compute_device()
+        capacity = max(sum(s.partition_size for s in b) for b in buckets) * first.world_size
+        out = torch.empty(capacity, dtype=first.shard.dtype, device=device)
+        for bucket in buckets:
+            _gather_bucket(bucket, out)
 
 
-def _gather_chunk_into_params(states: list, device: torch.device) -> None:
-    flat_out, _ = _all_gather_shards(states, device, async_op=False, scratch=True)
-    for s, full in zip(states, _cut_full_tensors(flat_out, states)):
-        s.param.data.copy_(full)
-    SCRATCH.give_back(flat_out)
+@torch.no_grad()
+def _gather_bucket(states: list, out: torch.Tensor) -> None:
+    first = states[0]
+    world, sizes = first.world_size, [s.partition_size for s in states]
+    rows = out[: world * sum(sizes)].view(world, sum(sizes))
+    torch.cat([s.shard.to(out.device, non_blocking=True) for s in states], out=rows[first.rank])
+    dist.all_gather_into_tensor(rows.view(-1), rows[first.rank], group=first.group)
+    padded = [s for s in states if not _storage_is_rows(s)]
+    scratch = {
+        id(s): torch.empty(world, s.partition_size, dtype=rows.dtype, device=out.device) for s in padded
+    }
+    targets = [
+        scratch[id(s)] if id(s) in scratch else s.param.data.view(world, s.partition_size) for s in states
+    ]
+    torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)
+    for s in padded:
+        s.param.data.copy_(scratch[id(s)].view(-1)[: s.numel].view(s.shape))
+
+
+def _storage_is_rows(state: Any) -> bool:
+    """Whether `state.param`'s storage can take its gathered block as a `[world, partition_size]` view."""
+    data = state.param.data
+    return state.padding == 0 and data.is_contiguous() and data.dtype == state.shard.dtype
 
 
 class GatherHandle:

@@ -14,7 +14,8 @@ steps them unchanged, since a `ReplicatedShard` answers the same questions as a 
   gradient slices; stage 1 (and 0) lets gradients accumulate whole in `param.grad`, as
   DDP's `no_sync` does, and reduce-scatters them once per optimizer step, at the boundary;
 - who holds full parameters: after a step, every rank's updated slices are all-gathered
-  back into the parameters in place, one collective per `allgather_bucket_size` elements.
+  back into the parameters in place, one collective per `allgather_bucket_size` elements
+  (`gather.gather_into_params`, which also refreshes what stays gathered at stage 3).
 """
 
 from __future__ import annotations
@@ -89,63 +90,6 @@ def make_replicated_shards(module: nn.Module, group: Any = None) -> dict:
         for (index, p), view in zip(members, torch.split(flat, sizes)):
             shards[id(p)] = ReplicatedShard(p, index, group, view)
     return shards
-
-
-def gather_updated_slices(states: list, bucket_elems: int = 0) -> None:
-    """All-gather every rank's slices of `states` back into their full parameters, in place.
-
-    One collective per (group, dtype) bucket, closed once it holds `bucket_elems` gathered
-    elements (`allgather_bucket_size`; 0: no limit), so the temporary output stays bounded. The
-    output is rank-major (`[rank 0: p0 slice, p1 slice, ...][rank 1: ...]`); one fused copy
-    moves each parameter's column block straight into its storage, which is
-    `[world, partition_size]` when it has no padding. A padded parameter's block goes
-    through a small buffer first, since its last rank's slice runs past its end.
-    """
-    by_key: dict = {}
-    for s in states:
-        by_key.setdefault((id(s.group), s.shard.dtype), []).append(s)
-    for same in by_key.values():
-        buckets, chunk, elems = [], [], 0
-        for s in same:
-            chunk.append(s)
-            elems += s.world_size * s.partition_size
-            if bucket_elems and elems >= bucket_elems:
-                buckets.append(chunk)
-                chunk, elems = [], 0
-        if chunk:
-            buckets.append(chunk)
-        # One output buffer serves every bucket in turn (each completes before the next): a
-        # fresh multi-MB buffer per bucket costs page faults on the CPU.
-        first = same[0]
-        capacity = max(sum(s.partition_size for s in b) for b in buckets) * first.world_size
-        out = torch.empty(capacity, dtype=first.shard.dtype, device=first.param.device)
-        for bucket in buckets:
-            _gather_bucket(bucket, out)
-
-
-@torch.no_grad()
-def _gather_bucket(states: list, out: torch.Tensor) -> None:
-    first = states[0]
-    world, sizes = first.world_size, [s.partition_size for s in states]
-    rows = out[: world * sum(sizes)].view(world, sum(sizes))
-    torch.cat([s.shard for s in states], out=rows[first.rank])
-    dist.all_gather_into_tensor(rows.view(-1), rows[first.rank], group=first.group)
-    padded = [s for s in states if not _storage_is_rows(s)]
-    scratch = {
-        id(s): torch.empty(world, s.partition_size, dtype=rows.dtype, device=out.device) for s in padded
-    }
-    targets = [
-        scratch[id(s)] if id(s) in scratch else s.param.data.view(world, s.partition_size) for s in states
-    ]
-    torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)
-    for s in padded:
-        s.param.data.copy_(scratch[id(s)].view(-1)[: s.numel].view(s.shape))
-
-
-def _storage_is_rows(state: ReplicatedShard) -> bool:
-    """Whether `state.param`'s storage can take its gathered block as a `[world, partition_size]` view."""
-    data = state.param.data
-    return state.padding == 0 and data.is_contiguous() and data.dtype == state.shard.dtype
 
 
 def reduce_accumulated_grads(states: list, reducer: Any) -> None:
