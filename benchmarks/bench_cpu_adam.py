@@ -16,8 +16,18 @@ One parameter of N elements, AdamW (lr 1e-3, weight decay 0.01), fp32 optimizer 
                  3 writes per element, all loads before the stores, nothing else), shared
                  out in spans as our step is (floor_spans), in one contiguous stretch per
                  thread as STREAM does (floor_contiguous), and that with non-temporal stores
-                 (floor_nt). Each is timed in the rounds like the others; the floor is the
-                 lowest of their medians, and `floor_variants_gb_s` gives each one's rate.
+                 (floor_nt). Each runs twice: with all four tensors in ordinary 4 KiB pages,
+                 and (the `_thp` twins) with the two states in 2 MiB transparent huge pages
+                 and param and grad in 4 KiB pages, the page policy of our step (below).
+                 Each is timed in the rounds like the others; the floor is the lowest of
+                 their medians, and `floor_variants_gb_s` gives each one's rate.
+
+Pages: DeepSpeedCPUAdam allocates exp_avg and exp_avg_sq with
+deepspeed.runtime.huge_pages.huge_page_zeros (2 MiB aligned, MADV_HUGEPAGE); param and grad
+are the caller's (here plain torch tensors, 4 KiB pages while THP is in `madvise` mode).
+torch's AdamW and upstream keep their own (default) allocations. Each case reports, in
+`thp_mib`, how much of the memory each side allocated the kernel really backed with huge
+pages (AnonHugePages of /proc/self/smaps_rollup before and after its setup and first step).
 
 dtype fp32: fp32 param and grad (28 bytes per param per step). dtype bf16: bf16 param and
 grad, fp32 states, updated in place (22 bytes; ours, upstream and the floor). torch has no
@@ -48,15 +58,19 @@ sys.path.insert(0, str(ROOT))
 
 from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: E402
 from deepspeed.ops.op_builder import ALL_OPS  # noqa: E402
+from deepspeed.runtime.huge_pages import anon_huge_page_bytes, huge_page_zeros  # noqa: E402
 
 UPSTREAM_PYTHON = HERE / ".venv-upstream" / "bin" / "python"
 UPSTREAM_SERVER = HERE / "_cpu_adam_upstream.py"
 EXTENSIONS_DIR = HERE / ".cache" / "torch_extensions"
 IMPLS = ("ours", "torch_foreach", "torch_fused", "upstream", "floor")
-FLOOR_VARIANTS = {  # name: bandwidth_probe's (nontemporal, contiguous)
-    "floor_spans": (False, False),
-    "floor_contiguous": (False, True),
-    "floor_nt": (True, True),
+FLOOR_VARIANTS = {  # name: bandwidth_probe's (nontemporal, contiguous), states in huge pages
+    "floor_spans": (False, False, False),
+    "floor_contiguous": (False, True, False),
+    "floor_nt": (True, True, False),
+    "floor_spans_thp": (False, False, True),
+    "floor_contiguous_thp": (False, True, True),
+    "floor_nt_thp": (True, True, True),
 }
 HEADLINE = "8M_fp32_2t"
 LR, WEIGHT_DECAY = 1e-3, 0.01
@@ -136,8 +150,8 @@ def _torch(n: int, dtype: str, **kwargs) -> Callable[[], None]:
     return step
 
 
-def _floors(n: int, dtype: str) -> dict[str, Callable[[], None]]:
-    """The floor's variants, each over its own tensors of the step's types.
+def _floors(n: int, dtype: str) -> dict[str, Callable[[], Callable[[], None]]]:
+    """The floor's variants (makers of), each over its own tensors of the step's types.
 
     Own tensors, not shared: at 1M parameters a step's bytes fit in L3, and a variant run
     right after another on the same tensors would find them there while every other
@@ -146,11 +160,14 @@ def _floors(n: int, dtype: str) -> dict[str, Callable[[], None]]:
     op = ALL_OPS["cpu_adam"].load()
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
 
-    def variant(nontemporal: bool, contiguous: bool) -> Callable[[], None]:
-        tensors = (_uniform(n, dt), _uniform(n, dt), _uniform(n), _uniform(n))
+    def variant(nontemporal: bool, contiguous: bool, huge_states: bool) -> Callable[[], None]:
+        states = (_uniform(n), _uniform(n))
+        if huge_states:  # as DeepSpeedCPUAdam allocates its states
+            states = tuple(huge_page_zeros(n).copy_(state) for state in states)
+        tensors = (_uniform(n, dt), _uniform(n, dt), *states)
         return lambda: op.bandwidth_probe(*tensors, nontemporal=nontemporal, contiguous=contiguous)
 
-    return {name: variant(*flags) for name, flags in FLOOR_VARIANTS.items()}
+    return {name: (lambda flags=flags: variant(*flags)) for name, flags in FLOOR_VARIANTS.items()}
 
 
 def _timed(fn: Callable[[], None], reps: int) -> float:
@@ -170,18 +187,23 @@ def measure_case(
     n: int, dtype: str, threads: int, rounds: int, reps: int, upstream: Optional[Upstream]
 ) -> dict:
     torch.set_num_threads(threads)
-    steps: dict[str, Callable[[], None]] = {
-        "ours": _ours(n, dtype),
-        "torch_foreach": _torch(n, dtype, foreach=True),
-        "torch_fused": _torch(n, dtype, fused=True),
+    makers: dict[str, Callable[[], Callable[[], None]]] = {
+        "ours": lambda: _ours(n, dtype),
+        "torch_foreach": lambda: _torch(n, dtype, foreach=True),
+        "torch_fused": lambda: _torch(n, dtype, fused=True),
         **_floors(n, dtype),
     }
+    steps: dict[str, Callable[[], None]] = {}
+    thp_mib: dict[str, Optional[int]] = {}  # MiB each side's setup and first step got in huge pages
+    for name, make in makers.items():
+        before = anon_huge_page_bytes()
+        steps[name] = make()
+        steps[name]()  # warm-up: states allocated, pages touched
+        after = anon_huge_page_bytes()
+        thp_mib[name] = None if before is None else round((after - before) / 2**20)
     if upstream is not None:
         upstream.ask({"cmd": "setup", "n": n, "dtype": dtype, "threads": threads})
         steps["upstream"] = lambda: None  # timed in its process, below
-    for name, fn in steps.items():
-        if name != "upstream":
-            fn()  # warm-up: states allocated, pages touched
     times: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     for r in range(rounds):
@@ -191,7 +213,9 @@ def measure_case(
             else:
                 times[name].append(_timed(steps[name], reps))
     del steps
-    return summarize(n, dtype, threads, {name: statistics.median(ts) for name, ts in times.items()})
+    case = summarize(n, dtype, threads, {name: statistics.median(ts) for name, ts in times.items()})
+    case["thp_mib"] = thp_mib
+    return case
 
 
 def summarize(n: int, dtype: str, threads: int, median_s: dict) -> dict:
@@ -298,9 +322,25 @@ def format_row(case: dict) -> str:
     return f"| {key} | " + " | ".join(cells + ratios) + " |"
 
 
+def format_pages(result: dict) -> str:
+    """Which pages each side used: MiB its setup and first step got in huge pages, per case."""
+    cells = []
+    for key, case in result["cases"].items():
+        thp = case.get("thp_mib") or {}
+        rates = case["floor_variants_gb_s"]
+        best = max(rates, key=rates.get)
+        cells.append(f"{key} ours {_fmt(thp.get('ours'), 'd')}, floor ({best}) {_fmt(thp.get(best), 'd')}")
+    return (
+        "Pages: ours' exp_avg / exp_avg_sq come from huge_page_zeros (2 MiB THP), param and grad "
+        "are plain tensors (4 KiB pages); the floor is the best of its variants in 4 KiB pages "
+        "and `_thp` twins with the states in huge pages; torch and upstream use their default "
+        "allocations. MiB in huge pages after setup: " + "; ".join(cells)
+    )
+
+
 def format_table(result: dict) -> str:
     rows = [format_row(case) for case in result["cases"].values()]
-    return "\n".join([format_header(), *rows])
+    return "\n".join([format_header(), *rows, "", format_pages(result)])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -334,6 +374,9 @@ def main(argv=None) -> int:
             f"{k} {result[k]}" for k in ("ratio_vs_floor", "ratio_vs_torch_fused", "ratio_vs_upstream")
         )
     )
+    print(format_pages(result))
+    for key, case in result["cases"].items():
+        print(f"{key} floor GB/s by variant: {case['floor_variants_gb_s']}")
     print(f"load average before/after: {result['load_average']}; {result['wall_s']} s")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -13,6 +13,8 @@ the step's pass equal `param.to(dtype)` bitwise.
 """
 
 import copy
+import gc
+import io
 import os
 import platform
 import subprocess
@@ -24,6 +26,7 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.ops.adam.cpu_adam import torch_adam_update
 from deepspeed.ops.op_builder import ALL_OPS, CPUAdamBuilder, builder
+from deepspeed.runtime import huge_pages
 
 SIZES = (1, 7, 1023, 100003)  # odd sizes: every vector width leaves a tail; 100003 spans 2 threads
 ISAS = ("avx512", "avx2", "neon", "scalar")
@@ -482,3 +485,105 @@ def test_import_compiles_nothing():
         "assert b.ALL_OPS['cpu_adam']._module is None"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------- huge pages
+
+HUGE_N = (3 << 20) // 4 + 1001  # 3 MiB + a tail of fp32: one whole huge page, a partial one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_huge_page_zeros_is_aligned_zeroed_and_exact(dtype):
+    n = HUGE_N * 4 // torch.empty((), dtype=dtype).element_size()  # 3 MiB and a bit, any dtype
+    shape = (n // 7, 7)
+    t = huge_pages.huge_page_zeros(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+    assert not t.requires_grad and torch.count_nonzero(t) == 0
+    # Exactly its own bytes: torch.save writes whole storages, padding would land in checkpoints.
+    assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    if huge_pages.huge_pages_available():
+        assert t.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    small = huge_pages.huge_page_zeros(1000, dtype)  # under one huge page: plain torch.zeros
+    assert small.shape == (1000,) and small.dtype == dtype and torch.count_nonzero(small) == 0
+
+
+@pytest.mark.skipif(not huge_pages.huge_pages_available(), reason="no transparent huge pages here")
+def test_huge_page_zeros_really_gets_huge_pages():
+    before = huge_pages.anon_huge_page_bytes()
+    t = huge_pages.huge_page_zeros(16 << 20 >> 2)  # 16 MiB: 8 huge pages
+    t.fill_(1.0)  # first touch faults the pages in
+    grown = huge_pages.anon_huge_page_bytes() - before
+    # The kernel may fall back to small pages when it finds no free 2 MiB block; most must be huge.
+    assert grown >= 4 * huge_pages.HUGE_PAGE_BYTES, grown
+
+
+def test_huge_page_tensor_outlives_its_maker_and_saves():
+    t = huge_pages.huge_page_zeros(HUGE_N)
+    view = t[123:456]
+    view.fill_(2.0)
+    del t
+    gc.collect()
+    assert view.sum().item() == 2.0 * 333  # the mapping is still there through the view
+    buf = io.BytesIO()
+    torch.save({"x": huge_pages.huge_page_zeros(HUGE_N).add_(3.0)}, buf)
+    assert buf.tell() < HUGE_N * 4 + 65536  # no alignment padding in the file
+    buf.seek(0)
+    loaded = torch.load(buf)["x"]
+    assert loaded.shape == (HUGE_N,) and bool((loaded == 3.0).all())
+
+
+def test_huge_page_zeros_falls_back_where_unavailable(monkeypatch):
+    monkeypatch.setattr(huge_pages, "_why_not", lambda: "disabled by the test")
+    t = huge_pages.huge_page_zeros((HUGE_N,), torch.float32)
+    assert t.shape == (HUGE_N,) and torch.count_nonzero(t) == 0
+    assert t.untyped_storage().nbytes() == HUGE_N * 4
+
+
+def _large_params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (HUGE_N, 1023)]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch_fallback"])
+def test_large_states_in_huge_pages_match_torch(request, native):
+    if native and not NATIVE:
+        pytest.skip("cpu_adam cannot be built here")
+    if not native:
+        request.getfixturevalue("no_native")
+    params, ref_params = _large_params(), _large_params()
+    opt = DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, foreach=False)
+    run_steps(opt, params, steps=4)
+    run_steps(ref, ref_params, steps=4)
+    assert_parity(opt, params, ref, ref_params)
+    if huge_pages.huge_pages_available():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt.state[params[0]][key].data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+
+
+def test_large_state_dict_round_trip_lands_in_huge_pages():
+    straight_params = _large_params()
+    straight = DeepSpeedCPUAdam(straight_params, lr=1e-2, weight_decay=0.1)
+    run_steps(straight, straight_params, steps=6)
+
+    params = _large_params()
+    first = DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1)
+    run_steps(first, params, steps=3)
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params], "opt": first.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+
+    resumed_params = [torch.nn.Parameter(p) for p in saved["params"]]
+    resumed = DeepSpeedCPUAdam(resumed_params, lr=1e-2, weight_decay=0.1)
+    resumed.load_state_dict(saved["opt"])
+    big = resumed.state[resumed_params[0]]
+    for key in ("exp_avg", "exp_avg_sq"):
+        # A copy, not the loaded tensor, and in a 2 MiB-aligned buffer of its own.
+        assert big[key].data_ptr() != saved["opt"]["state"][0][key].data_ptr()
+        torch.testing.assert_close(big[key], first.state[params[0]][key], rtol=0, atol=0)
+        if huge_pages.huge_pages_available():
+            assert big[key].data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    run_steps_from(resumed, resumed_params, 3, skip=3)
+    for p, q in zip(resumed_params, straight_params):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from deepspeed.ops.op_builder import ALL_OPS
+from deepspeed.runtime.huge_pages import HUGE_PAGE_BYTES, huge_page_zeros, huge_pages_available
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Bumps a tensor's autograd version counter, as an in-place torch op would (torch >= 2.1).
@@ -162,9 +163,30 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         if not state:
             dtype = torch.float32 if self.fp32_optimizer_states else param.dtype
             state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+            # [Note: states in huge pages] every step streams both states once; in 2 MiB
+            # pages their TLB misses all but vanish (see deepspeed/runtime/huge_pages.py).
+            state["exp_avg"] = huge_page_zeros(param.shape, dtype)
+            state["exp_avg_sq"] = huge_page_zeros(param.shape, dtype)
         return state
+
+    def _states_into_huge_pages(self) -> None:
+        """Copies loaded exp_avg / exp_avg_sq of CPU parameters into huge-page buffers.
+
+        torch's load leaves the state_dict's own tensors (or casts of them) as the states;
+        those are ordinary allocations, so each large one is copied into a buffer from
+        `huge_page_zeros`, as `_init_state` would have made it. Small ones stay as loaded.
+        """
+        if not huge_pages_available():
+            return
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = state.get(key)
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.device.type == "cpu"
+                    and value.numel() * value.element_size() >= HUGE_PAGE_BYTES
+                ):
+                    state[key] = huge_page_zeros(value.shape, value.dtype).copy_(value)
 
     @torch.no_grad()
     def step(
@@ -310,14 +332,18 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             copy.copy_(param.detach().view_as(copy))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, then exp_avg / exp_avg_sq restored to fp32 when the states are fp32.
+        """torch's load, then exp_avg / exp_avg_sq restored to fp32 when the states are fp32,
+        and copied into huge-page buffers (`_states_into_huge_pages`).
 
         torch casts floating-point state to each parameter's dtype; for fp16/bf16 parameters
         with ``fp32_optimizer_states`` that would drop the states' precision.
         """
         super().load_state_dict(state_dict)
-        if not self.fp32_optimizer_states:
-            return
+        if self.fp32_optimizer_states:
+            self._restore_fp32_states(state_dict)
+        self._states_into_huge_pages()
+
+    def _restore_fp32_states(self, state_dict: dict[str, Any]) -> None:
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, param in zip(saved_ids, params):
