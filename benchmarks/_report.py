@@ -281,9 +281,10 @@ def collectives_table(entry: dict) -> str:
 COLLECTIVES_NOTE = (
     "One untimed step on rank 0, through the torch profiler. *Asked for*: the c10d ops the library "
     "called. *gloo ran*: what gloo executed for them and the MB of tensor it was handed (all_gather: "
-    "this rank's input; all_reduce: the whole buffer). On gloo a reduce-scatter runs as an all-reduce "
-    "of the whole input, so a library asking for reduce-scatter and one asking for all-reduce + slice "
-    "move the same bytes here; on NCCL the reduce-scatter moves about half, which this CPU run cannot show."
+    "this rank's input; all_reduce: the whole buffer; all_to_all: the whole input). On gloo a "
+    "reduce-scatter runs as an all-reduce of the whole input, so a library asking for reduce-scatter "
+    "and one asking for all-reduce move the same bytes here; ours asks gloo for an all-to-all and sums "
+    "locally, which sends each byte once, as a reduce-scatter on NCCL does."
 )
 
 

@@ -11,8 +11,10 @@ the figure is the median over repetitions:
   all_gather_broadcast  one asynchronous broadcast per rank into its chunk of the output
   all_gather_ours       deepspeed.comm.all_gather_into_tensor (which of the two it picks)
   reduce_scatter_native torch.distributed.reduce_scatter_single
-  all_reduce            torch.distributed.all_reduce of the whole input (ours on gloo then
-                        keeps its slice: deepspeed.comm.reduce_scatter_tensor)
+  all_reduce            torch.distributed.all_reduce of the whole input (what a reduce-scatter
+                        that keeps its slice of an all-reduce pays)
+  all_to_all_sum        torch.distributed.all_to_all_single, then the received rows added
+  reduce_scatter_ours   deepspeed.comm.reduce_scatter_tensor (on gloo: the all-to-all and sum)
 
 These are collective choices of the gloo CPU backend; on nccl `deepspeed.comm` uses the
 native all-gather and reduce-scatter (see [Note: all-gather on gloo] and [Note:
@@ -41,6 +43,8 @@ VARIANTS = (
     "all_gather_ours",
     "reduce_scatter_native",
     "all_reduce",
+    "all_to_all_sum",
+    "reduce_scatter_ours",
 )
 _ALL_GATHER = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
@@ -52,6 +56,14 @@ def _bodies(numel: int, world: int, rank: int) -> dict:
     out = torch.empty(numel)
     mine = torch.full((numel // world,), float(rank))
     full = torch.ones(numel)
+    received = torch.empty(numel)
+
+    def all_to_all_sum() -> None:
+        tdist.all_to_all_single(received, full)
+        rows = received.view(world, -1)
+        mine.copy_(rows[0])
+        for row in rows[1:]:
+            mine.add_(row)
 
     def broadcast_each() -> None:
         out.view(-1).chunk(world)[rank].copy_(mine)
@@ -65,6 +77,8 @@ def _bodies(numel: int, world: int, rank: int) -> dict:
         "all_gather_ours": lambda: dist.all_gather_into_tensor(out, mine),
         "reduce_scatter_native": lambda: _REDUCE_SCATTER(mine, full),
         "all_reduce": lambda: tdist.all_reduce(full),
+        "all_to_all_sum": all_to_all_sum,
+        "reduce_scatter_ours": lambda: dist.reduce_scatter_tensor(mine, full, scratch=received),
     }
 
 

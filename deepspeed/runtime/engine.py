@@ -158,6 +158,10 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 f"engine.step() or save_checkpoint() was called while {leaked} still hold parameters; "
                 "call them after backward() returns, not inside a forward or backward"
             )
+        # Complete every all-gather still in flight (a `start(async_op=True)` not yet waited
+        # on): it reads the shards the step is about to change, and only what is gathered when
+        # the step ends is refreshed, so it would otherwise show the old values for good.
+        gather.wait_available(self.zero_states)
         if self._config.zero_config.enable_sanity_checks:
             orphans = [
                 s.ds_id

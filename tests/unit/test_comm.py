@@ -90,6 +90,40 @@ class TestCollectives(DistributedTest):
             dist.all_gather_into_tensor(full, mine, group=group)
             assert torch.equal(full, torch.cat([torch.full((big,), float(r)) for r in odds])), me
 
+    def test_reduce_scatter_paths(self):
+        """A sum on gloo is an all-to-all plus a local add in rank order (comm.py's note): into a
+        caller's scratch or not, async, bf16, odd sizes; other ops all-reduce and keep the slice."""
+        rank, size = dist.get_rank(), dist.get_world_size()
+        n = 1001  # odd: no size is a multiple of a vector width
+        contribs = [torch.randn(size * n, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+        mine = contribs[rank]
+        expected = contribs[0][rank * n : (rank + 1) * n].clone()
+        for c in contribs[1:]:
+            expected += c[rank * n : (rank + 1) * n]  # rank order: bitwise what ours computes
+        for scratch in (None, torch.full((size * n + 7,), float("nan"))):
+            for async_op in (False, True):
+                out = torch.full((n,), -1.0)
+                handle = dist.reduce_scatter_tensor(out, mine.clone(), async_op=async_op, scratch=scratch)
+                handle.wait()
+                assert torch.equal(out, expected), (scratch is None, async_op)
+        out16 = torch.empty(n, dtype=torch.bfloat16)
+        dist.reduce_scatter_tensor(out16, mine.to(torch.bfloat16))
+        torch.testing.assert_close(out16.float(), expected, rtol=2e-2, atol=2e-2 * size)
+        out_max = torch.empty(n)
+        dist.reduce_scatter_tensor(out_max, mine, op=dist.ReduceOp.MAX)
+        maxed = torch.stack(contribs).amax(0)[rank * n : (rank + 1) * n]
+        assert torch.equal(out_max, maxed)
+        with pytest.raises(ValueError, match="not .* ranks x the output"):
+            dist.reduce_scatter_tensor(torch.empty(n + 1), mine)
+        if dist.get_backend() == "gloo":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                dist.reduce_scatter_tensor(torch.empty(n), mine)
+            names = {e.name for e in prof.events()}
+            assert any("all_to_all" in name or "alltoall" in name for name in names), sorted(names)
+            assert not any("all_reduce" in name or "allreduce" in name for name in names), sorted(names)
+
     def test_groups(self):
         rank, size = dist.get_rank(), dist.get_world_size()
         evens = list(range(0, size, 2))

@@ -196,6 +196,25 @@ class TestEngineRobustness(DistributedTest):
         assert not torch.equal(seen[0], seen[-1])
         assert_parity(engine, losses, reference, ref_losses)
 
+    def test_gather_in_flight_at_step_sees_the_update(self):
+        """A `start(async_op=True)` not yet waited on when step() runs: the step completes it
+        before changing the shards, so once waited it shows the stepped values, not the old."""
+        engine, reference = twin(OutsideUses)
+        data = make_data(2, (WIDTH,))
+        weight = engine.module.head.weight
+        for step, (x, y) in enumerate(data):
+            engine.backward(F.mse_loss(engine(my_rows(x)), my_rows(y)))
+            if step == len(data) - 1:
+                live = deepspeed.zero.GatheredParameters(weight).start(async_op=True)
+                assert weight.ds_status is ZeroParamStatus.INFLIGHT
+            engine.step()
+        live.wait()
+        seen = weight.detach().clone()
+        live.stop()
+        reference_losses(reference, data)
+        torch.testing.assert_close(seen, reference.head.weight.detach(), rtol=0, atol=5e-5)
+        assert_nothing_held(engine)
+
     def test_modifier_gather_across_step_keeps_the_edit(self):
         engine, reference = twin(OutsideUses)
         data = make_data(2, (WIDTH,))

@@ -162,21 +162,6 @@ class _ScratchPool:
 SCRATCH = _ScratchPool()
 
 
-def _all_gather_shards(states: list, device: torch.device, async_op: bool, scratch: bool = False) -> tuple:
-    """One all-gather of the concatenated shards of `states` (one group and dtype): (output, handle).
-
-    `scratch=True` takes the output from `SCRATCH`; the caller gives it back once copied out.
-    """
-    flat_in = _flat_input(states, device)
-    numel = states[0].world_size * flat_in.shape[0]
-    if scratch:
-        flat_out = SCRATCH.take(numel, flat_in.dtype, device)
-    else:
-        flat_out = torch.empty(numel, dtype=flat_in.dtype, device=device)
-    handle = dist.all_gather_into_tensor(flat_out, flat_in, group=states[0].group, async_op=async_op)
-    return flat_out, handle
-
-
 def _storage_refs(tensor: torch.Tensor) -> int:
     """How many tensors share `tensor`'s storage; -1 where this torch cannot say."""
     count = getattr(torch._C, "_storage_Use_Count", None)

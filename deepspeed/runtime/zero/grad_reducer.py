@@ -42,11 +42,11 @@ MAX_IN_FLIGHT = 2  # asynchronous reduce-scatters outstanding at once (see [Note
 class _InFlight:
     """One issued reduce-scatter: its handle, its buffers, and where the result goes."""
 
-    __slots__ = ("handle", "send", "received", "states", "world")
+    __slots__ = ("handle", "buffers", "received", "states", "world")
 
-    def __init__(self, handle: Any, send: torch.Tensor, received: torch.Tensor, states: list, world: int):
+    def __init__(self, handle: Any, buffers: tuple, received: torch.Tensor, states: list, world: int):
         self.handle = handle
-        self.send = send  # the whole send buffer, kept alive until the collective finished
+        self.buffers = buffers  # the send buffer and the collective's scratch, alive until it finished
         self.received = received  # 1D [sum of the states' partition sizes]
         self.states = states
         self.world = world
@@ -77,7 +77,7 @@ class GradientReducer:
         self._pending: dict = {}  # (id(group), dtype) -> list of (state, grad)
         self._pending_elems: dict = {}
         self._in_flight: list = []  # _InFlight, oldest first
-        self._spare_sends: list = []  # send buffers of completed buckets, for the next ones
+        self._spare: list = []  # send and scratch buffers of completed buckets, for the next ones
         self.reduce_calls = 0  # collectives issued, for tests and benchmarks
         self.async_calls = 0  # of which asynchronous (overlap_comm)
 
@@ -117,18 +117,18 @@ class GradientReducer:
     def wait_all(self) -> None:
         while self._in_flight:
             self._complete(self._in_flight.pop(0))
-        self._spare_sends.clear()  # between backwards, no send buffer outlives its bucket
+        self._spare.clear()  # between backwards, no buffer outlives its bucket
 
-    def _send_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D buffer of at least `numel` elements: an earlier bucket's of this backward if big enough.
 
         On the CPU every fresh multi-MB buffer costs page faults on first touch (a third of a
-        pack's time, measured); reusing the send buffers of completed buckets avoids them
-        without holding more than the buckets in flight already hold.
+        pack's time, measured); reusing the buffers of completed buckets avoids them without
+        holding more than the buckets in flight already hold.
         """
-        for i, spare in enumerate(self._spare_sends):
+        for i, spare in enumerate(self._spare):
             if spare.dtype == dtype and spare.device == device and spare.numel() >= numel:
-                return self._spare_sends.pop(i)
+                return self._spare.pop(i)
         return torch.empty(numel, dtype=dtype, device=device)
 
     def _reduce(self, key: tuple) -> None:
@@ -137,7 +137,7 @@ class GradientReducer:
         dtype = key[1]
         states = [state for state, _ in items]
         world, total = states[0].world_size, sum(s.partition_size for s in states)
-        send_base = self._send_buffer(world * total, dtype, items[0][1].device)
+        send_base = self._buffer(world * total, dtype, items[0][1].device)
         send = send_base[: world * total].view(world, total)
         # One fused copy packs every gradient's rank-major column block (a padded gradient is
         # padded with zeros first: its last rank's slice runs past its end).
@@ -156,11 +156,20 @@ class GradientReducer:
         if self.overlap_comm:
             while len(self._in_flight) >= MAX_IN_FLIGHT:
                 self._complete(self._in_flight.pop(0))
+        # gloo receives every rank's slices before summing them ([Note: reduce-scatter on gloo]);
+        # nccl reduces in place and needs no scratch.
+        on_gloo = dist.get_backend(states[0].group) == "gloo"
+        scratch = self._buffer(world * total, dtype, send.device) if on_gloo else None
         handle = dist.reduce_scatter_tensor(
-            received, send.view(-1), group=states[0].group, async_op=self.overlap_comm, input_reusable=True
+            received,
+            send.view(-1),
+            group=states[0].group,
+            async_op=self.overlap_comm,
+            input_reusable=True,
+            scratch=scratch,
         )
         self.reduce_calls += 1
-        work = _InFlight(handle, send_base, received, states, world)
+        work = _InFlight(handle, (send_base, scratch) if on_gloo else (send_base,), received, states, world)
         if self.overlap_comm:
             self.async_calls += 1
             self._in_flight.append(work)
@@ -169,7 +178,7 @@ class GradientReducer:
 
     def _complete(self, work: _InFlight) -> None:
         work.handle.wait()
-        self._spare_sends.append(work.send)
+        self._spare.extend(work.buffers)
         _, after = self._scales(work.world)
         # Each state gets its own disjoint view of `received`, which the accumulator may keep.
         pieces = torch.split(work.received, [s.partition_size for s in work.states])
