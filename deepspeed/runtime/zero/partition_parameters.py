@@ -494,12 +494,13 @@ class Init:
 
 
 def _as_param_list(params: Any) -> list:
+    """`params` as a list; its entries are filtered by `gather.zero_states` (None, plain tensors)."""
     if params is None:
         return []
     if isinstance(params, torch.Tensor):
         return [params]
     if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
-        return [p for p in params if isinstance(p, torch.Tensor)]
+        return list(params)
     raise TypeError(
         f"GatheredParameters: params must be a tensor or an iterable of tensors, got {type(params).__name__}"
     )
