@@ -568,6 +568,13 @@ class CheckpointMixin:
                     self.optimizer.optimizer.state[master] = placed
                 else:
                     self.optimizer.optimizer.state.pop(master, None)
+        # The states were placed directly, past the optimizer's own load_state_dict: one that
+        # lays out its state itself (DeepSpeedCPUAdam's huge pages) moves it there now.
+        relayout = (
+            getattr(self.optimizer.optimizer, "move_states_into_huge_pages", None) if load_optim else None
+        )
+        if relayout is not None:
+            relayout()
 
     # ================================================================== 16-bit export
 

@@ -456,6 +456,52 @@ class TestOptimizerOffload(DistributedTest):
             )
 
 
+class WideHead(nn.Module):
+    """A weight whose optimizer state is over 2 MiB per rank, next to a small one."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, 160_000, bias=False)  # 1.6M: 3.2 MB of exp_avg per rank at 2 ranks
+        self.head = nn.Linear(self.proj.out_features, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.proj(x)))
+
+
+class TestOffloadCheckpointKeepsHugePages(DistributedTest):
+    world_size = [2]
+
+    def test_loaded_cpu_adam_states_are_back_in_huge_pages(self, tmp_path):
+        from deepspeed.runtime import huge_pages
+
+        if not huge_pages.huge_pages_available():
+            pytest.skip("no transparent huge pages on this machine")
+        zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+        adam = {"type": "AdamW", "params": {"lr": 1e-2}}
+        engine, _ = twin(WideHead, zero_optimization=zero, optimizer=adam)
+        data = make_data(3, (WIDTH,), seed=3)
+        engine_losses(engine, data[:1])
+        save_dir = str(tmp_path / "offload")
+        engine.save_checkpoint(save_dir)
+        continued = engine_losses(engine, data[1:])
+        fresh, *_ = deepspeed.initialize(
+            model=WideHead(), config=sgd_config(zero_optimization=zero, optimizer=adam)
+        )
+        fresh.load_checkpoint(save_dir)
+        big = [
+            t
+            for st in fresh.optimizer.optimizer.state.values()
+            for k, t in st.items()
+            if k in ("exp_avg", "exp_avg_sq") and t.numel() * 4 >= huge_pages.HUGE_PAGE_BYTES
+        ]
+        assert len(big) == 2, [
+            t.shape for st in fresh.optimizer.optimizer.state.values() for t in st.values()
+        ]
+        assert all(t.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0 for t in big)
+        resumed = engine_losses(fresh, data[1:])
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(continued), rtol=1e-6, atol=0)
+
+
 class TestCheckpointsAcrossStages(DistributedTest):
     """Every stage saves the same layout: a checkpoint loads at any stage and world size."""
 

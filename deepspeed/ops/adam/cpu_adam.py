@@ -169,7 +169,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             state["exp_avg_sq"] = huge_page_zeros(param.shape, dtype)
         return state
 
-    def _states_into_huge_pages(self) -> None:
+    def move_states_into_huge_pages(self) -> None:
         """Copies loaded exp_avg / exp_avg_sq of CPU parameters into huge-page buffers.
 
         torch's load leaves the state_dict's own tensors (or casts of them) as the states;
@@ -333,7 +333,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then exp_avg / exp_avg_sq restored to fp32 when the states are fp32,
-        and copied into huge-page buffers (`_states_into_huge_pages`).
+        and copied into huge-page buffers (`move_states_into_huge_pages`).
 
         torch casts floating-point state to each parameter's dtype; for fp16/bf16 parameters
         with ``fp32_optimizer_states`` that would drop the states' precision.
@@ -341,7 +341,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         if self.fp32_optimizer_states:
             self._restore_fp32_states(state_dict)
-        self._states_into_huge_pages()
+        self.move_states_into_huge_pages()
 
     def _restore_fp32_states(self, state_dict: dict[str, Any]) -> None:
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
