@@ -28,7 +28,7 @@ class ZeROOptimizer(DeepSpeedOptimizer):
     base records that outcome for the engine's `skipped_steps` and `was_step_applied()`.
     """
 
-    skipped_steps: int = 0  # steps skipped for overflow since the optimizer was built
+    skipped_steps: int = 0  # steps skipped for overflow since training began (a checkpoint load restores it)
     last_step_applied: bool = False  # whether the latest step() changed the parameters
 
     def __new__(cls, *args: Any, **kwargs: Any):

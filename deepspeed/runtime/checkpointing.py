@@ -537,6 +537,8 @@ class CheckpointMixin:
             self.global_steps = ckpt.engine_entry("global_steps")
             self.global_samples = ckpt.engine_entry("global_samples")
             self.micro_steps = ckpt.engine_entry("micro_steps")
+            if self.optimizer is not None:  # the engine's skipped_steps is the optimizer's count
+                self.optimizer.skipped_steps = int(ckpt.engine_entry("skipped_steps") or 0)
         if self.optimizer is not None:
             self.optimizer.zero_grad()  # gradients of the interrupted step are not in the checkpoint
 

@@ -185,7 +185,7 @@ class TestEngineFeatures(DistributedTest):
         engine.step()  # lr 0: the step must keep the edit, not restore the stale master
         assert torch.all(gathered_params(engine.module)["head.weight"] == 0.5)
 
-    def test_fp16_overflow_skips_step_and_lowers_scale(self):
+    def test_fp16_overflow_skips_step_and_lowers_scale(self, tmp_path):
         cfg = config(
             fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
         )
@@ -200,6 +200,15 @@ class TestEngineFeatures(DistributedTest):
         assert optimizer.overflow and optimizer.loss_scale == scale / 2
         after = gathered_params(engine.module)
         assert all(torch.equal(before[n], after[n]) for n in before)  # the step was skipped
+        assert engine.skipped_steps == 1
+        # A resumed run goes on counting, with the lowered scale (as upstream's load restores them).
+        engine.save_checkpoint(str(tmp_path), tag="overflowed")
+        torch.manual_seed(0)
+        resumed, resumed_optimizer, _, _ = deepspeed.initialize(model=TinyLM(), config=cfg)
+        resumed.load_checkpoint(str(tmp_path), tag="overflowed")
+        assert resumed.skipped_steps == 1, resumed.skipped_steps
+        assert resumed_optimizer.loss_scale == scale / 2, (resumed_optimizer.loss_scale, scale)
+        assert resumed.global_steps == engine.global_steps
         for _ in range(2):
             engine.backward(engine(my_slice(ids), my_slice(labels)))
             engine.step()

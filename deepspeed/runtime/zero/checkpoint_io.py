@@ -443,6 +443,7 @@ def own_layout(obj: Any, path: str, kind: str) -> dict:
         "lr_scheduler": obj.get("lr_scheduler"),
         "global_steps": obj.get("global_steps"),
         "global_samples": obj.get("global_samples"),
+        "skipped_steps": obj.get("skipped_steps"),
         "client_state": {k: obj[k] for k in inner.get("client_state_keys", ()) if k in obj},
     }
 
