@@ -570,11 +570,15 @@ class CheckpointMixin:
                     self.optimizer.optimizer.state[master] = placed
                 else:
                     self.optimizer.optimizer.state.pop(master, None)
-        # The states were placed directly, past the optimizer's own load_state_dict: one that
-        # lays out its state itself (DeepSpeedCPUAdam's huge pages) moves it there now.
-        relayout = (
-            getattr(self.optimizer.optimizer, "move_states_into_huge_pages", None) if load_optim else None
-        )
+        if not load_optim:
+            return
+        # The states were placed directly, past the optimizer's own load_state_dict, so what that
+        # does last is done here: its __setstate__ puts the states in its own form (torch's Adam
+        # turns an int `step`, as DeepSpeedCPUAdam saves it, into the tensor it steps with), and
+        # one that lays out its state itself (DeepSpeedCPUAdam's huge pages) moves it there.
+        inner = self.optimizer.optimizer
+        inner.__setstate__({"state": inner.state, "param_groups": inner.param_groups})
+        relayout = getattr(inner, "move_states_into_huge_pages", None)
         if relayout is not None:
             relayout()
 

@@ -57,6 +57,13 @@ def train_config(micro=None, **extra):
     return cfg
 
 
+def zero_config(stage, offload=False):
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 50}
+    if offload:  # the optimizer becomes DeepSpeedCPUAdam, which keeps its step count as an int
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return zero
+
+
 def build(cfg, seed=42, model_cls=BufferedLM):
     torch.manual_seed(seed)
     engine, *_ = deepspeed.initialize(model=model_cls(), config=cfg)
@@ -90,11 +97,9 @@ class _SaveOnTwo(DistributedTest):
 
     world_size = 2
 
-    def test_save(self, path, stage=3):
+    def test_save(self, path, stage=3, offload=False):
         data = all_data()
-        engine = build(
-            train_config(zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 50})
-        )
+        engine = build(train_config(zero_optimization=zero_config(stage, offload)))
         train(engine, data[:SAVE_STEPS])
         engine.save_checkpoint(path, client_state=CLIENT_STATE)
         saved = gathered_params(engine.module)
@@ -118,6 +123,14 @@ def two_rank_stage2_checkpoint(tmp_path_factory):
     """The same run at ZeRO stage 2 (full parameters, sharded gradients and optimizer state)."""
     path = str(tmp_path_factory.mktemp("two_rank_stage2_checkpoint"))
     _run_distributed(_SaveOnTwo, "test_save", 2, {"path": path, "stage": 2})
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_rank_stage2_offload_checkpoint(tmp_path_factory):
+    """The same run at ZeRO stage 2 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam)."""
+    path = str(tmp_path_factory.mktemp("two_rank_stage2_offload_checkpoint"))
+    _run_distributed(_SaveOnTwo, "test_save", 2, {"path": path, "stage": 2, "offload": True})
     return path
 
 
@@ -149,18 +162,36 @@ class TestElasticLoad(DistributedTest):
         for name, value in reference["final"].items():
             torch.testing.assert_close(final[name], value, rtol=1e-5, atol=5e-5, msg=name)
 
-    @pytest.mark.parametrize("load_stage", [1, 2, 3])
-    def test_a_stage2_save_resumes_at_every_stage(self, two_rank_stage2_checkpoint, load_stage):
-        reference = load_reference(two_rank_stage2_checkpoint)
-        zero = {"stage": load_stage, "stage3_param_persistence_threshold": 50}
-        engine = build(train_config(zero_optimization=zero), seed=0)
-        engine.load_checkpoint(two_rank_stage2_checkpoint)
-        assert_equal_params(gathered_params(engine.module), reference["saved"])
-        losses = train(engine, all_data()[SAVE_STEPS:])
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
-        final = gathered_params(engine.module)
-        for name, value in reference["final"].items():
-            torch.testing.assert_close(final[name], value, rtol=1e-5, atol=5e-5, msg=name)
+    def test_a_stage2_save_resumes_at_every_stage_with_and_without_offload(
+        self, two_rank_stage2_checkpoint, two_rank_stage2_offload_checkpoint
+    ):
+        # The optimizer state is the same data whatever the stage and wherever it lives: torch's
+        # AdamW (step: a tensor) and the offloaded DeepSpeedCPUAdam (step: an int) load each
+        # other's, partitioned for this stage and world size. One process group runs every case.
+        for saved_with_offload, path in (
+            (False, two_rank_stage2_checkpoint),
+            (True, two_rank_stage2_offload_checkpoint),
+        ):
+            reference = load_reference(path)
+            for load_stage in (1, 2, 3):
+                for offload in (False, True):
+                    case = f"saved with offload={saved_with_offload}, loaded at stage {load_stage} offload={offload}"
+                    engine = build(train_config(zero_optimization=zero_config(load_stage, offload)), seed=0)
+                    engine.load_checkpoint(path)
+                    assert_equal_params(gathered_params(engine.module), reference["saved"])
+                    losses = train(engine, all_data()[SAVE_STEPS:])
+                    torch.testing.assert_close(
+                        torch.tensor(losses), torch.tensor(reference["losses"]), rtol=1e-5, atol=0, msg=case
+                    )
+                    final = gathered_params(engine.module)
+                    for name, value in reference["final"].items():
+                        torch.testing.assert_close(
+                            final[name],
+                            value,
+                            rtol=1e-5,
+                            atol=5e-5,
+                            msg=lambda m, where=f"{case}, {name}": f"{where}: {m}",
+                        )
 
     def test_inference_engine_loads_the_weights(self, two_rank_checkpoint):
         reference = load_reference(two_rank_checkpoint)

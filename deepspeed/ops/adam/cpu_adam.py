@@ -252,7 +252,9 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             if not state:
                 self._check_param(param)
                 state = self._init_state(param)
-            state["step"] += 1
+            # int(): a state loaded from torch's Adam (a switch from plain to offloaded ZeRO
+            # across a checkpoint) holds its step as a 0-d tensor.
+            state["step"] = int(state["step"]) + 1
             steps.append(state["step"])
         return steps
 
