@@ -71,6 +71,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._boundary_override: Optional[bool] = None
+        self._inside_backward = False  # engine.backward is running autograd
+        self._stray_grads: list = []  # params whose gradients came from a backward outside it
         zero = self._config.zero_config
         # Stages 0-2 keep full parameters (stage_1_and_2.py's note); stage 3 partitions them.
         self.partitions_weights = self._config.zero_optimization_stage == 3
@@ -239,6 +241,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         return handles
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._inside_backward and len(self._stray_grads) < 3:
+            self._stray_grads.append(param)  # refused at the next backward or step, see _refuse_stray_grads
         if not self.zero_optimization_partition_gradients() and not self.is_gradient_accumulation_boundary():
             return  # stages 0-1: accumulate whole until the boundary's backward, as DDP's no_sync
         grad, param.grad = param.grad, None  # the full gradient lives only until it is packed
@@ -263,12 +267,15 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             raise RuntimeError(
                 "engine.backward() needs an optimizer; pass one to deepspeed.initialize or the config"
             )
+        self._refuse_stray_grads("engine.backward()")
         scaled = loss.float() * self.optimizer.loss_scale
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
+        self._inside_backward = True
         try:
             scaled.backward(retain_graph=retain_graph)
         finally:
+            self._inside_backward = False
             if self.coordinator is not None:
                 self.coordinator.finish_backward()
         self.reducer.flush()
@@ -279,6 +286,26 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             # sum of earlier micro-steps, reduced here.
             reduce_accumulated_grads(self.optimizer.states, self.reducer)
         return loss
+
+    def _refuse_stray_grads(self, where: str) -> None:
+        """Raise if a backward other than engine.backward produced gradients of our parameters.
+
+        Such gradients skip what engine.backward does around autograd (the fp16 loss scale, the
+        division by gradient_accumulation_steps, the last bucket's reduction, stage 3's release
+        of gathered parameters), so stepping on them would be silently wrong: at stage 2 they
+        would wait in a bucket and be applied one step late.
+        """
+        if not self._stray_grads:
+            return
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        first = ", ".join(names.get(id(p), "?") for p in self._stray_grads)
+        self._stray_grads = []
+        raise RuntimeError(
+            f"{where}: gradients of this engine's parameters ({first}, ...) came from a backward outside "
+            "engine.backward(loss), such as loss.backward(); the engine scales, reduces and partitions "
+            "gradients in engine.backward, so call engine.backward(loss) instead (if another model's backward "
+            "reached these parameters, detach this engine's outputs there)"
+        )
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
@@ -293,6 +320,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             raise RuntimeError(
                 "engine.step() needs an optimizer; pass one to deepspeed.initialize or the config"
             )
+        self._refuse_stray_grads("engine.step()")
         if self.is_gradient_accumulation_boundary():
             if not self.zero_optimization_partition_gradients():  # a boundary that backward did not see
                 reduce_accumulated_grads(self.optimizer.states, self.reducer)

@@ -242,6 +242,27 @@ class TestEngineRobustness(DistributedTest):
         assert_nothing_held(engine)
         assert_parity(engine, engine_losses(engine, data), reference, reference_losses(reference, data))
 
+    def test_a_backward_outside_engine_backward_is_refused(self):
+        # loss.backward() skips the loss scale, the accumulation divisor and the last bucket's
+        # reduction: at stage 2 its gradient waited in a bucket and was applied a step late.
+        x = torch.ones(BATCH // dist.get_world_size(), WIDTH)
+        for stage in (0, 1, 2, 3):
+            torch.manual_seed(0)
+            config = sgd_config(zero_optimization={"stage": stage, "reduce_bucket_size": 10**6})
+            engine, *_ = deepspeed.initialize(model=nn.Linear(WIDTH, 1), config=config)
+            before = [p.detach().clone() for p in engine.module.parameters()] if stage < 3 else None
+            engine(x).sum().backward()
+            with pytest.raises(
+                RuntimeError,
+                match=r"parameters \(.*weight.*\) came from a backward outside engine.backward\(loss\)",
+            ):
+                engine.step()
+            if before is not None:
+                assert all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+            engine(x).sum().backward()
+            with pytest.raises(RuntimeError, match=r"^engine.backward\(\): .*loss.backward\(\)"):
+                engine.backward(engine(x).sum())
+
     def test_nested_engine_forward_keeps_the_outer_access_hook(self):
         torch.manual_seed(3)
         teacher_model = nn.Linear(WIDTH, WIDTH)
