@@ -263,6 +263,40 @@ class TestEngineRobustness(DistributedTest):
             with pytest.raises(RuntimeError, match=r"^engine.backward\(\): .*loss.backward\(\)"):
                 engine.backward(engine(x).sum())
 
+    def test_ranks_training_different_parameters_are_refused(self):
+        # Rank 0 runs branch x, rank 1 branch y, both the same shape: the collectives match in
+        # size, so without the check each rank's gradients were silently added to the other's.
+        class TwoBranches(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.x, self.y = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+            def forward(self, inp, use_x):
+                h = self.a(inp)
+                return self.x(h) if use_x else self.y(h)
+
+        inp = torch.ones(BATCH // dist.get_world_size(), 4)
+        for stage in (1, 2, 3):
+            torch.manual_seed(0)
+            config = sgd_config(zero_optimization={"stage": stage})
+            engine, *_ = deepspeed.initialize(model=TwoBranches(), config=config)
+            engine.backward(engine(inp, use_x=True).sum())  # the same branch everywhere: fine
+            engine.step()
+            engine.backward(engine(inp, use_x=dist.get_rank() == 0).sum())
+            with pytest.raises(RuntimeError, match="reduced gradients of different parameters"):
+                engine.step()
+            # With accumulation the branches swap between micro-steps: by the step every rank has
+            # gradients for both, but each micro-step's buckets were still summed across them.
+            torch.manual_seed(0)
+            config = sgd_config(zero_optimization={"stage": stage}, gradient_accumulation_steps=2)
+            engine, *_ = deepspeed.initialize(model=TwoBranches(), config=config)
+            for micro in range(2):
+                engine.backward(engine(inp, use_x=(dist.get_rank() + micro) % 2 == 0).sum())
+                if micro == 0:
+                    engine.step()  # not a boundary: nothing to check yet
+            with pytest.raises(RuntimeError, match="reduced gradients of different parameters"):
+                engine.step()
+
     def test_nested_engine_forward_keeps_the_outer_access_hook(self):
         torch.manual_seed(3)
         teacher_model = nn.Linear(WIDTH, WIDTH)

@@ -83,7 +83,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             "one all-gather per parameter", "parameters are gathered in coalesced buckets; set it to false"
         ),
         "ignore_unused_parameters": Unsupported(
-            "parameters without a gradient are always allowed; remove the key or set it to true"
+            "a parameter that no rank uses in a step gets no gradient and is skipped, as in torch (one used "
+            "on some ranks only is refused at the step, see docs/engine.md); remove the key or set it to true"
         ),
         "legacy_stage1": _refuse("upstream's old stage-1 implementation", "set it to false"),
         "zero_hpz_partition_size": _refuse("ZeRO++ hierarchical partitioning (hpZ)", "set it to 1"),

@@ -111,6 +111,26 @@ def _param_groups(module: nn.Module, model_parameters: Any) -> list:
     return [{"params": source}]
 
 
+# [Note: the same gradients on every rank]
+# Gradients are reduced in buckets in the order autograd finishes them, and parameters are
+# gathered (stage 3) as modules run, so every rank must use the same parameters in each
+# pass: the collectives carry no names. A parameter used on one rank only breaks that. When
+# the buckets then differ in size the collective fails (gloo names a "collective mismatch");
+# when they happen to be the same size (two same-shaped branches, one per rank) each rank
+# silently adds its gradients to the other's. So `accumulate_grad` folds each reduced slice's
+# parameter into `h`, a hash of the order in which this rank's reductions arrived since the
+# last step (every micro-step's: with accumulation, two ranks may end up with gradients for
+# the same parameters after reducing them in swapped buckets). Each step's norm all-reduce
+# also sums `h` and its square: the ranks agree exactly when world * sum(h^2) == sum(h)^2
+# (equality in Cauchy-Schwarz), which every rank computes from the same sums, so all of them
+# refuse the step together. `h` stays below 2^20, so the float64 sums are exact.
+_SIGNATURE_MODULUS = 1 << 20
+
+
+def _id_hash(ds_id: int) -> int:
+    return (ds_id * 2654435761 + 12345) % _SIGNATURE_MODULUS  # Knuth's multiplicative hash
+
+
 class ZeroStage3Optimizer(ZeROOptimizer):
     """Steps fp32 master shards; `param_groups` and `state` are the wrapped optimizer's."""
 
@@ -133,6 +153,7 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         # a ReplicatedShard (stages 0-2, see stage_1_and_2.py); None for no shard.
         self.state_of = state_of or _zero_state_of
         self.group = None
+        self._reduced_order = 0  # a hash of the reductions since the last step (see the note above)
         self.masters: dict = {}  # ds_id -> fp32 master nn.Parameter [partition_size]
         self._master_versions: dict = {}  # ds_id -> the shard_version the master reflects
         self.states: list = []  # trainable ZeroParamStates, in parameter order
@@ -227,6 +248,8 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         else): no zero-filled allocation, no add. Pinned masters (optimizer offload) always
         get a pinned copy, so the host-to-device traffic stays on pinned pages.
         """
+        # [Note: the same gradients on every rank]: the order of reductions, as a rolling hash.
+        self._reduced_order = (self._reduced_order * 1_000_003 + _id_hash(state.ds_id)) % _SIGNATURE_MODULUS
         master = self.masters[state.ds_id]
         if master.grad is None:
             if reduced.dtype == torch.float32 and reduced.device == master.device and not self.pin_masters:
@@ -256,6 +279,7 @@ class ZeroStage3Optimizer(ZeROOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Free the gradient shards (or zero them): between steps they cost 4 bytes/parameter."""
+        self._reduced_order = 0
         for master in self.masters.values():
             if set_to_none:
                 master.grad = None
@@ -278,15 +302,28 @@ class ZeroStage3Optimizer(ZeROOptimizer):
 
         One fused per-tensor norm and one all-reduce, on the communication device (an NCCL
         group rejects a CPU tensor; masters may live on the CPU); padding elements are zeros.
+        The same all-reduce checks that every rank has gradients for the same parameters
+        (see [Note: the same gradients on every rank]).
         """
         grads = self._grads()
         comm_device = torch.device(get_accelerator().current_device_name())
-        local = torch.zeros(1, dtype=torch.float64, device=comm_device)
+        signature = self._reduced_order
+        local = torch.tensor([0.0, signature, signature * signature], dtype=torch.float64, device=comm_device)
         if grads:
             norms = torch._foreach_norm(grads)
-            local += torch.stack([n.to(comm_device) for n in norms]).double().pow(2).sum()
+            local[0] += torch.stack([n.to(comm_device) for n in norms]).double().pow(2).sum()
         dist.all_reduce(local, group=self.group)
-        return math.sqrt(local.item()) if math.isfinite(local.item()) else float("inf")
+        norm_sq, signatures, squares = local.tolist()
+        if squares * dist.get_world_size(self.group) != signatures * signatures:
+            raise RuntimeError(
+                "ZeRO step: the ranks reduced gradients of different parameters in this step (a parameter "
+                "used on some ranks only: a data-dependent branch, a routed expert, a modality-specific "
+                "head); every rank summed what it was sent with gradients of other parameters, so the step "
+                "is refused. Every rank must produce gradients for the same parameters in each backward: "
+                "make each rank use every trainable parameter (for a skipped branch, add 0.0 * "
+                "branch(h).sum() to the loss), or freeze the parameters it does not train"
+            )
+        return math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("inf")
 
     def step(self) -> bool:
         """Unscale, check overflow, clip, step, and write masters back. False if skipped.
