@@ -131,6 +131,12 @@ def _checkpoint_supported(value: Optional[dict]) -> bool:
     return True
 
 
+def _activation_checkpointing_keys() -> tuple:
+    from deepspeed.runtime.activation_checkpointing.checkpointing import CONFIG_KEYS
+
+    return CONFIG_KEYS
+
+
 def _data_types_supported(value: Optional[dict]) -> bool:
     extra = set(value or {}) - {"grad_accum_dtype"}
     return not extra and (value or {}).get("grad_accum_dtype") in (None, "fp32", "float32")
@@ -260,9 +266,12 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
             _data_types_supported,
         ),
         "amp": _off("NVIDIA Apex AMP", "use fp16 or bf16"),
-        "activation_checkpointing": _off(
-            "DeepSpeed's activation checkpointing (partitioned, CPU-offloaded activations)",
-            "use torch.utils.checkpoint, which works with ZeRO-3 parameters",
+        "activation_checkpointing": Unsupported(
+            "the block configures deepspeed.checkpointing (initialize passes it to "
+            "deepspeed.checkpointing.configure), which reads only these keys: "
+            + ", ".join(_activation_checkpointing_keys())
+            + "; remove the others",
+            lambda value: set(value or {}) <= set(_activation_checkpointing_keys()),
         ),
         "flops_profiler": _off("the FLOPs profiler"),
         "tensorboard": _off("the TensorBoard monitor"),

@@ -64,6 +64,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             raise TypeError(f"deepspeed.initialize: model must be an nn.Module, got {type(model).__name__}")
         self._config = config if isinstance(config, DeepSpeedConfig) else DeepSpeedConfig(config, mpu=mpu)
         self._check_ranks_agree(model)
+        self._configure_activation_checkpointing(mpu)
         self.args = args
         self.module = model
         self.dtype = _train_dtype(self._config)
@@ -101,6 +102,19 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._grad_hooks = self._install_grad_hooks() if self.optimizer is not None else []
 
     # ------------------------------------------------------------------ set-up
+
+    def _configure_activation_checkpointing(self, mpu: Any) -> None:
+        """The config's `activation_checkpointing` block sets up `deepspeed.checkpointing`.
+
+        Unless a script (Megatron, Lightning) called `deepspeed.checkpointing.configure` first:
+        its explicit arguments stay in force.
+        """
+        from deepspeed.runtime.activation_checkpointing import checkpointing
+        from deepspeed.runtime.config_utils import section_is_off
+
+        if not section_is_off(self._config._param_dict.get("activation_checkpointing")):
+            if not checkpointing.is_configured():
+                checkpointing.configure(mpu, deepspeed_config=self._config)
 
     def _check_ranks_agree(self, model: nn.Module) -> None:
         """One collective: every rank passed the same config and the same parameters, in order.

@@ -553,6 +553,24 @@ class TestApiSurfaceDistributed(DistributedTest):
         with pytest.raises(ValueError, match="elements"):
             safe_set_full_fp32_param(weight, torch.zeros(3))
 
+    def test_the_activation_checkpointing_block_configures_the_api(self):
+        from deepspeed.runtime.activation_checkpointing import checkpointing
+
+        checkpointing.reset()
+        cfg = _cfg()
+        cfg["activation_checkpointing"] = {"cpu_checkpointing": True, "profile": True}
+        try:
+            deepspeed.initialize(model=LeafNet(), config=cfg)
+            assert checkpointing.SETTINGS.checkpoint_in_cpu and checkpointing.SETTINGS.profile
+            checkpointing.configure(None, checkpoint_in_cpu=False)  # a script's own call...
+            deepspeed.initialize(model=LeafNet(), config=cfg)
+            assert not checkpointing.SETTINGS.checkpoint_in_cpu  # ...stays in force
+            cfg["activation_checkpointing"] = {"partitioned_activations": True}  # a misspelt key
+            with pytest.raises(ValueError, match="activation_checkpointing.*partition_activations, "):
+                deepspeed.initialize(model=LeafNet(), config=cfg)
+        finally:
+            checkpointing.reset()
+
     def test_engine_queries(self):
         from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
         from deepspeed.runtime.zero.param_state import ZeroParamStatus

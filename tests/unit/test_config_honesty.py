@@ -71,7 +71,7 @@ READERS = {
 SAMPLES = {
     "zero_optimization.offload_param.device": "nvme",
     "zero_optimization.offload_optimizer.device": "nvme",
-    "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
+    "activation_checkpointing": {"partitioned_activations": True},  # not a key configure() reads
     "tensorboard": {"enabled": True, "output_path": "runs"},
     "aio": {"block_size": 262144},
     "checkpoint": {"load_universal": True},

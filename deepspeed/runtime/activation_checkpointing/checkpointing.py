@@ -61,6 +61,18 @@ def _model_parallel_size(mpu: Any) -> int:
     return 1
 
 
+# The keys of the config's `activation_checkpointing` block that `configure` reads (the
+# config refuses others, see runtime/config.py); each acts or has no effect, as the note says.
+CONFIG_KEYS = (
+    "partition_activations",
+    "contiguous_memory_optimization",
+    "number_checkpoints",
+    "cpu_checkpointing",
+    "synchronize_checkpoint_boundary",
+    "profile",
+)
+
+
 def _from_config(deepspeed_config: Any) -> dict:
     """The `activation_checkpointing` block of a config dict, JSON path or DeepSpeedConfig."""
     if deepspeed_config is None:
