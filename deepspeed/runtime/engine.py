@@ -93,6 +93,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             mark_persistent(self.persistent)
         else:
             self._prepare_replicated_module()
+        self._warn_unused_config_blocks(optimizer, lr_scheduler)
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         if self.optimizer is not None:
             self.optimizer.before_step = self._settle_live_gathers
@@ -195,6 +196,20 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                     writers.setdefault(id(owner), owner)  # in ds_id order: the same on every rank
         for owner in writers.values():
             owner.write_back_edits()
+
+    def _warn_unused_config_blocks(self, optimizer: Any, lr_scheduler: Any) -> None:
+        """As upstream, what `initialize` is passed wins over the config's block; say so, naming it."""
+        passed = (
+            ("optimizer", optimizer, self._config.optimizer_name),
+            ("lr_scheduler", lr_scheduler, self._config.scheduler_name),
+        )
+        for argument, given, configured in passed:
+            if given is not None and configured is not None and dist.get_rank() == 0:
+                block = "optimizer" if argument == "optimizer" else "scheduler"
+                logger.warning(
+                    f"deepspeed.initialize: the {argument} passed in ({type(given).__name__}) is used and the "
+                    f"config's {block!r} block (type {configured!r}) is not; remove one of them to silence this"
+                )
 
     def _build_optimizer(self, client: Any, model_parameters: Any) -> Optional[ZeroStage3Optimizer]:
         if client is None and self._config.optimizer_name is None:

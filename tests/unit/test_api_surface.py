@@ -6,6 +6,7 @@ facts, MoE and pipeline layers), then the distributed behaviours on spawned gloo
 """
 
 import argparse
+import logging
 import math
 import os
 import subprocess
@@ -570,6 +571,30 @@ class TestApiSurfaceDistributed(DistributedTest):
                 deepspeed.initialize(model=LeafNet(), config=cfg)
         finally:
             checkpointing.reset()
+
+    def test_a_passed_optimizer_wins_over_the_config_block_and_says_so(self):
+        from deepspeed.utils.logging import logger
+
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logger.addHandler(handler)
+        try:
+            net = LeafNet()
+            client = torch.optim.SGD(net.parameters(), lr=0.1)
+            _, optimizer, *_ = deepspeed.initialize(
+                model=net, optimizer=client, config=_cfg()
+            )  # config: AdamW
+        finally:
+            logger.removeHandler(handler)
+        assert optimizer.optimizer is client
+        said = " ".join(r.getMessage() for r in records)
+        if dist.get_rank() == 0:
+            assert (
+                "optimizer passed in (SGD) is used and the config's 'optimizer' block (type 'adamw')" in said
+            )
+        else:
+            assert "passed in" not in said
 
     def test_engine_queries(self):
         from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer

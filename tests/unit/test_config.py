@@ -539,9 +539,18 @@ def test_partial_offload_needs_stage_3():
         zero({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
 
 
-def test_nvme_offload_needs_path():
-    with pytest.raises(ValueError, match=r"zero_optimization\.offload_param: .*needs 'nvme_path'"):
-        zero({"stage": 3, "offload_param": {"device": "nvme"}})
+def test_nvme_is_refused_with_or_without_a_path():
+    for block in ({"device": "nvme"}, {"device": "nvme", "nvme_path": "/local_nvme"}):
+        with pytest.raises(ValueError, match=r"offload_param\.device='nvme' is not supported.*NVMe offload"):
+            zero({"stage": 3, "offload_param": block})
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_offload_param_needs_stage_3(stage):
+    # Stages 0-2 keep parameters whole on the accelerator: the block would do nothing.
+    with pytest.raises(ValueError, match=rf"offload_param\.device='cpu' needs stage 3.*got stage {stage}"):
+        zero({"stage": stage, "offload_param": {"device": "cpu"}})
+    zero({"stage": stage, "offload_param": {"device": "none"}})  # what accelerate writes when off
 
 
 def test_bad_communication_data_type():

@@ -286,6 +286,14 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
                 f"offload_optimizer.ratio={offload.ratio} (partial offload) needs stage 3, "
                 f"got stage {int(self.stage)}"
             )
+        param = self.offload_param
+        if param is not None and param.device != "none" and self.stage != ZeroStageEnum.weights:
+            # Stages 0-2 keep every parameter whole on the accelerator: there is no shard to move.
+            raise ValueError(
+                f"zero_optimization.offload_param.device='{param.device.value}' needs stage 3 (partitioned "
+                f"parameters), got stage {int(self.stage)}; remove offload_param (offload_optimizer works "
+                "at every stage) or set stage to 3"
+            )
         return self
 
 

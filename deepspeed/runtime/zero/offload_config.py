@@ -7,7 +7,7 @@ import enum
 from pathlib import Path
 from typing import ClassVar, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, Unsupported
 
@@ -45,11 +45,6 @@ def _nvme_optimizer_only(what: str) -> Unsupported:
     return Unsupported(f"{what} serves NVMe optimizer offload, which is not implemented; remove the key")
 
 
-def _require_nvme_path(device: OffloadDeviceEnum, nvme_path: Optional[Path], block: str) -> None:
-    if device == OffloadDeviceEnum.nvme and nvme_path is None:
-        raise ValueError(f"{block} device 'nvme' needs 'nvme_path' (a directory on the NVMe drive)")
-
-
 class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     """`zero_optimization.offload_param`: keep partitioned parameters off the accelerator.
 
@@ -85,11 +80,6 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
 
     pin_memory: bool = False
     """Use page-locked CPU memory: faster copies, at the cost of pinned host memory."""
-
-    @model_validator(mode="after")
-    def _check_nvme_path(self) -> "DeepSpeedZeroOffloadParamConfig":
-        _require_nvme_path(self.device, self.nvme_path, "offload_param")
-        return self
 
 
 class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
@@ -149,8 +139,3 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     def pipeline(self) -> bool:
         """True when either NVMe pipelining direction is on (upstream reads this name)."""
         return self.pipeline_read or self.pipeline_write
-
-    @model_validator(mode="after")
-    def _check_nvme_path(self) -> "DeepSpeedZeroOffloadOptimizerConfig":
-        _require_nvme_path(self.device, self.nvme_path, "offload_optimizer")
-        return self
