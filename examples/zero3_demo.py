@@ -8,7 +8,8 @@ partitioned model equals the same-seed plain model, edits a weight once with
 with the stage-3 engine (`deepspeed.initialize`), printing the loss and each rank's bytes
 of parameters, gradients and optimizer state. Finally it saves a checkpoint, loads it into a
 stage-2 engine whose optimizer state lives on the CPU (`offload_optimizer`), and trains both
-engines on, side by side: the losses agree, whatever the stage.
+engines on, side by side: the losses agree, whatever the stage. The offloaded engine's own
+checkpoint then resumes at stage 1 with the optimizer back in place, and agrees again.
 """
 
 import argparse
@@ -127,16 +128,32 @@ def train_step(engine, ids) -> float:
 
 
 def continue_at_stage_2(stage3_engine, ids) -> None:
-    """Checkpoint at stage 3, resume at stage 2 with optimizer offload; both train on alike."""
+    """Checkpoint at stage 3, resume at stage 2 with optimizer offload; both train on alike.
+
+    Then the offloaded engine's checkpoint resumes at stage 1 with the optimizer back in
+    place (DeepSpeedCPUAdam's state into torch's AdamW), and that one trains on alike too.
+    """
     path = [tempfile.mkdtemp(prefix="zero_demo_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)  # one directory for every rank
     stage3_engine.save_checkpoint(path[0])
-    config = {**CONFIG, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    config = {
+        **CONFIG,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        # Without torch_adam, an offloaded Adam is DeepSpeedCPUAdam (csrc/adam), as upstream.
+        "optimizer": {"type": "AdamW", "params": {"lr": CONFIG["optimizer"]["params"]["lr"]}},
+    }
     stage2_engine, *_ = deepspeed.initialize(model=build(zero3=False), config=config)
     stage2_engine.load_checkpoint(path[0])
     for step in range(3):
         a, b = train_step(stage3_engine, ids), train_step(stage2_engine, ids)
         rank0_print(f"resumed step {step + 1}/3: stage 3 loss {a:.4f}, stage 2 + CPU optimizer loss {b:.4f}")
+    stage2_engine.save_checkpoint(path[0], tag="offloaded")
+    config = {**CONFIG, "zero_optimization": {"stage": 1}}
+    stage1_engine, *_ = deepspeed.initialize(model=build(zero3=False), config=config)
+    stage1_engine.load_checkpoint(path[0], tag="offloaded")
+    for step in range(2):
+        b, c = train_step(stage2_engine, ids), train_step(stage1_engine, ids)
+        rank0_print(f"resumed again {step + 1}/2: stage 2 + CPU optimizer loss {b:.4f}, stage 1 loss {c:.4f}")
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(path[0], ignore_errors=True)
