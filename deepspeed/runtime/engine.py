@@ -26,7 +26,7 @@ from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
 from deepspeed.runtime.zero.param_state import ZeroParamStatus, is_zero_param
-from deepspeed.runtime.zero.partition_parameters import GatheredParameters, Init, cast_partitioned
+from deepspeed.runtime.zero.partition_parameters import GatherHold, Init, cast_partitioned
 from deepspeed.runtime.zero.stage3 import ZeroStage3Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import (
     make_replicated_shards,
@@ -192,7 +192,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         writers: dict = {}
         for state in self.zero_states:
             for owner in state.holds:
-                if isinstance(owner, GatheredParameters) and owner.modifier_rank is not None:
+                if isinstance(owner, GatherHold) and owner.modifier_rank is not None:
                     writers.setdefault(id(owner), owner)  # in ds_id order: the same on every rank
         for owner in writers.values():
             owner.write_back_edits()

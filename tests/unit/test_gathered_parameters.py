@@ -2,6 +2,7 @@
 
 import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -312,6 +313,31 @@ class TestSanityChecks(DistributedTest):
         assert layer.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
         with deepspeed.zero.GatheredParameters(layer.weight):  # untouched: no error
             pass
+
+
+class TestDroppedGather(DistributedTest):
+    world_size = [2]
+
+    def test_a_dropped_gather_of_zero_params_is_reported_when_collected(self):
+        # The parameters' holds belong to a GatherHold, not to the GatheredParameters, so the
+        # dropped object is collected (and reported) at once, not at interpreter exit.
+        with deepspeed.zero.Init():
+            layer = nn.Linear(3, 3)
+
+        def leak():
+            gather = deepspeed.zero.GatheredParameters(layer.weight, modifier_rank=0).start()
+            return weakref.ref(gather)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dropped = leak()
+            gc.collect()
+        assert dropped() is None
+        messages = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+        assert messages and "in leak" in messages[0] and "without stop()" in messages[0]
+        # As documented, the parameters stay gathered, and the holder says whose hold it is.
+        assert layer.weight.ds_status is ZeroParamStatus.AVAILABLE
+        assert layer.weight.ds_summary()["held_by"] == ["GatheredParameters(1 ZeRO params, modifier_rank=0)"]
 
 
 class TestGatherMisuse:

@@ -506,6 +506,37 @@ def _as_param_list(params: Any) -> list:
     )
 
 
+class GatherHold:
+    """The owner of the holds one `GatheredParameters` takes, and what its live gather needs.
+
+    The parameters' hold tables refer to this object, not to the `GatheredParameters`, so one
+    that is started and dropped without `stop()` can still be garbage-collected and reported
+    (a `ResourceWarning` naming where it started, see lifecycle.py). Its parameters then stay
+    gathered, held by this object, and the engine keeps writing back a `modifier_rank`'s edits
+    at each step, exactly as while the dropped object was alive.
+    """
+
+    __slots__ = ("states", "modifier_rank", "handle", "description")
+
+    def __init__(self, states: list, modifier_rank: Optional[int], description: str) -> None:
+        self.states = states
+        self.modifier_rank = modifier_rank
+        self.handle: Optional[gather.GatherHandle] = None  # set while gathered
+        self.description = description
+
+    def write_back_edits(self) -> None:
+        """Broadcast the modifier rank's tensors and write them into every rank's shards."""
+        if self.modifier_rank is None or self.handle is None:
+            return
+        self.handle.wait()
+        gather.broadcast_full(self.states, self.modifier_rank)
+        for s in self.states:
+            s.write_back()
+
+    def __repr__(self) -> str:
+        return self.description
+
+
 class GatheredParameters:
     """Gather ZeRO-3 parameters between `start()` and `stop()` (or inside a `with` block).
 
@@ -523,7 +554,6 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         candidates = _as_param_list(params)  # validated even when disabled: misuse is loud
         self._states = gather.zero_states(candidates) if enabled else []
-        self._handle: Optional[gather.GatherHandle] = None
         self._exception_at_start: Optional[BaseException] = None
         if self._states:
             self._check_modifier_rank(modifier_rank)
@@ -531,6 +561,7 @@ class GatheredParameters:
                 for s in self._states:
                     register_external_parameter(fwd_module, s.param)
         self._tracker = LifecycleTracker(self, self._describe())
+        self._hold = GatherHold(self._states, modifier_rank, self._describe())  # see GatherHold
 
     def _describe(self) -> str:
         flags = "" if self.enabled else ", enabled=False"
@@ -572,7 +603,7 @@ class GatheredParameters:
                     self._states[0].group,
                     "Every rank must gather the same parameters, in any order.",
                 )
-            self._handle = gather.fetch_states(self._states, self, async_op=async_op)
+            self._hold.handle = gather.fetch_states(self._states, self._hold, async_op=async_op)
         except BaseException:
             self._tracker.end()
             raise
@@ -584,8 +615,8 @@ class GatheredParameters:
             raise RuntimeError(
                 f"{self._describe()}.wait() was called while it is not active; call start() first"
             )
-        if self._handle is not None:
-            self._handle.wait()
+        if self._hold.handle is not None:
+            self._hold.handle.wait()
 
     def stop(self) -> None:
         """Write back (modifier_rank) or discard edits, then release the parameters.
@@ -605,7 +636,7 @@ class GatheredParameters:
         failed_here = raising is not None and raising is not self._exception_at_start
         states, updated = self._states, False
         try:
-            self._handle.wait()
+            self._hold.handle.wait()
             if self.modifier_rank is not None:
                 failed = gather.ranks_that_failed(states, failed_here)
                 if not failed:
@@ -619,8 +650,8 @@ class GatheredParameters:
             elif any(s.sanity_checks for s in states):
                 self._raise_on_discarded_edits(states)
         finally:
-            self._handle = None
-            gather.release_states(states, self, has_been_updated=updated)
+            self._hold.handle = None
+            gather.release_states(states, self._hold, has_been_updated=updated)
 
     def write_back_edits(self) -> None:
         """Make the modifier rank's edits so far every rank's and write them into the shards.
@@ -628,12 +659,8 @@ class GatheredParameters:
         The parameters stay gathered. `engine.step()` calls this for a live gather with a
         `modifier_rank`, so edits made before the step are what the optimizer steps from.
         """
-        if self.modifier_rank is None or not self._tracker.active or not self._states:
-            return
-        self._handle.wait()
-        gather.broadcast_full(self._states, self.modifier_rank)
-        for s in self._states:
-            s.write_back()
+        if self._tracker.active:
+            self._hold.write_back_edits()
 
     @staticmethod
     def _raise_on_discarded_edits(states: list) -> None:
