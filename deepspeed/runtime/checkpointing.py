@@ -631,11 +631,12 @@ class CheckpointMixin:
     ) -> bool:
         """Gather the full weights in the model dtype and have rank 0 write them with `torch.save`.
 
-        Every rank must call it. Returns False, writing nothing, when the config's
-        `stage3_gather_16bit_weights_on_model_save` is off (as upstream does under ZeRO-3).
+        Every rank must call it. At stage 3 it returns False, writing nothing, when the config's
+        `stage3_gather_16bit_weights_on_model_save` is off, as upstream does; at stages 0-2 the
+        parameters are whole on every rank, so it always saves, as upstream does too.
         """
         path = os.path.join(save_dir, save_filename)
-        if not self.zero_gather_16bit_weights_on_model_save():
+        if self.partitions_weights and not self.zero_gather_16bit_weights_on_model_save():
             log_dist(
                 f"Did not save the model {path} because `stage3_gather_16bit_weights_on_model_save` is False",
                 ranks=[0],

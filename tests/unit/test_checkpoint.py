@@ -480,11 +480,23 @@ class TestSave16bit(DistributedTest):
         assert saved["head.weight"].data_ptr() == saved["embed.weight"].data_ptr()  # tied: stored once
         assert torch.equal(saved["scale"], engine.module.scale)
 
-    def test_flag_off_saves_nothing(self, tmp_path):
+    def test_flag_off_saves_nothing_at_stage_3_only(self, tmp_path):
         engine = build(bf16_config(gather_on_save=False))
         assert engine.zero_gather_16bit_weights_on_model_save() is False
         assert engine.save_16bit_model(str(tmp_path)) is False
         assert not os.path.exists(tmp_path / "pytorch_model.bin")
+        # Stages 0-2 hold whole weights: the flag is a stage-3 setting and they always save.
+        for stage in (0, 1, 2):
+            cfg = bf16_config(gather_on_save=False)
+            cfg["zero_optimization"]["stage"] = stage
+            engine = build(cfg, model_cls=TiedLM)
+            path = tmp_path / f"stage{stage}"
+            assert engine.save_16bit_model(str(path)) is True
+            if dist.get_rank() == 0:
+                saved = torch.load(path / "pytorch_model.bin")
+                assert list(saved) == list(engine.module.state_dict())
+                for name, value in engine.module.state_dict().items():
+                    assert torch.equal(saved[name], value), name
 
 
 # ============================================================================ clone_tensors_for_torch_save
