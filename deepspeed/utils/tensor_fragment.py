@@ -12,7 +12,9 @@ of its optimizer states (see stage3.py's master-shards note):
 Values are fp32. Gradients exist between `engine.backward()` and `engine.step()` (the
 step consumes and frees them); they are returned unscaled (divided by the fp16 loss scale)
 and, with gradient accumulation, hold the sum so far of the micro-steps' averaged
-gradients. Getters return None where nothing exists (a frozen parameter, no gradient yet,
+gradients; at stages 0-1, whose gradients are reduced only at the accumulation boundary,
+`safe_get_full_grad` between micro-steps returns this rank's unreduced sum so far (as
+upstream returns `param.grad`). Getters return None where nothing exists (a frozen parameter, no gradient yet,
 an optimizer state not yet created); setters raise instead, naming what is missing.
 Setting a parameter's fp32 value also updates its training-dtype shard and, if the
 parameter is currently gathered, its gathered tensor.
@@ -165,17 +167,38 @@ def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
         grad = getattr(param, "grad", None)  # not ZeRO-managed: the plain gradient, as upstream
         return None if grad is None else grad.detach().float()
     optimizer, state = found
-    # Every rank must join the gather, so "no gradient" is decided together.
-    local = _local_grad(optimizer, state)
-    present = torch.tensor([0.0 if local is None else 1.0])
+    # Stages 0-1 between the micro-steps of an accumulation: the gradient so far is still whole
+    # in param.grad, not yet reduced; this rank's, as upstream returns it (unscaled here).
+    pending = getattr(param, "grad", None) if _is_replicated(state) else None
+    local = None if pending is not None else _local_grad(optimizer, state)
+    # Every rank must join the gather, so where the gradient is is decided together: MAX of
+    # (kind, -kind) gives the largest and smallest kind any rank has.
+    kind = 2.0 if pending is not None else (0.0 if local is None else 1.0)
+    kinds = torch.tensor([kind, -kind])
     if getattr(state, "world_size", 1) > 1:
         from deepspeed.accelerator import get_accelerator
 
-        present = present.to(get_accelerator().current_device_name())
-        dist.all_reduce(present, op=dist.ReduceOp.MIN, group=state.group)
-    if present.item() == 0.0:
+        kinds = kinds.to(get_accelerator().current_device_name())
+        dist.all_reduce(kinds, op=dist.ReduceOp.MAX, group=state.group)
+    most, least = kinds[0].item(), -kinds[1].item()
+    if most != least:
+        raise RuntimeError(
+            f"safe_get_full_grad: the ranks disagree on where this parameter's gradient is (kinds "
+            f"{least:.0f}..{most:.0f}: 0 none, 1 reduced shard, 2 unreduced param.grad); a parameter "
+            "used on some ranks only has no full gradient (see docs/engine.md)"
+        )
+    if most == 2.0:
+        scale = float(getattr(optimizer, "loss_scale", 1.0) or 1.0)
+        return pending.detach().float() / scale
+    if most == 0.0:
         return None
     return _gather_full(local, state)
+
+
+def _is_replicated(state: Any) -> bool:
+    from deepspeed.runtime.zero.stage_1_and_2 import ReplicatedShard
+
+    return isinstance(state, ReplicatedShard)
 
 
 def safe_get_local_grad(param: torch.Tensor) -> Optional[torch.Tensor]:

@@ -495,6 +495,26 @@ class TestApiSurfaceDistributed(DistributedTest):
         engine.step()
         assert engine.module.router in owners and engine.module.router.a not in owners
 
+    def test_safe_get_full_grad_between_micro_steps_at_every_stage(self):
+        from deepspeed.utils import safe_get_full_grad
+
+        x = torch.ones(2, WIDTH) * (dist.get_rank() + 1)  # each rank its own gradient
+        for stage in (0, 1, 2, 3):
+            torch.manual_seed(0)
+            model = nn.Linear(WIDTH, 1)
+            config = _cfg(gas=2, stage=stage)
+            engine, *_ = deepspeed.initialize(model=model, config=config)
+            engine.backward(engine(x).pow(2).mean())  # micro-step 1 of 2: no step yet
+            got = safe_get_full_grad(model.weight)
+            assert got is not None and got.shape == (1, WIDTH), stage
+            if stage < 2:  # not reduced yet: this rank's gradient so far, as upstream
+                assert torch.equal(got, model.weight.grad.float()), stage
+            else:  # reduced as it was produced: the ranks' average so far, the same everywhere
+                others = [torch.empty_like(got) for _ in range(dist.get_world_size())]
+                dist.all_gather(others, got)
+                assert all(torch.equal(o, got) for o in others), stage
+            engine.step()
+
     def test_safe_get_and_set_match_the_reference(self):
         from deepspeed.utils import (
             safe_get_full_fp32_param,
