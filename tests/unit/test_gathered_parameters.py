@@ -315,6 +315,29 @@ class TestSanityChecks(DistributedTest):
             pass
 
 
+class TestReplacedTensor(DistributedTest):
+    world_size = [2]
+
+    def test_a_replaced_tensor_of_another_shape_is_refused_on_every_rank(self):
+        # Broadcasting it would not match the other ranks' receive: gloo aborted the process.
+        with deepspeed.zero.Init():
+            layer = nn.Linear(4, 2)
+        with deepspeed.zero.GatheredParameters(layer.bias):
+            before = layer.bias.data.clone()
+        expected = (
+            (ValueError, "replaced parameters")
+            if dist.get_rank() == 0
+            else (RuntimeError, r"rank\(s\) \[0\]")
+        )
+        with pytest.raises(expected[0], match=expected[1]):
+            with deepspeed.zero.GatheredParameters(layer.bias, modifier_rank=0):
+                if dist.get_rank() == 0:
+                    layer.bias.data = torch.zeros(3)
+        assert layer.bias.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        with deepspeed.zero.GatheredParameters(layer.bias):
+            assert torch.equal(layer.bias.data, before)  # the edit was discarded everywhere
+
+
 class TestDroppedGather(DistributedTest):
     world_size = [2]
 

@@ -638,14 +638,28 @@ class GatheredParameters:
         try:
             self._hold.handle.wait()
             if self.modifier_rank is not None:
-                failed = gather.ranks_that_failed(states, failed_here)
+                # A tensor of another shape or dtype put in place of a gathered one cannot be
+                # broadcast into the others (their collective would not match): a failure too.
+                replaced = [
+                    f"ds_id={s.ds_id} {tuple(s.param.data.shape)} {s.param.data.dtype} (gathered as "
+                    f"{tuple(s.shape)} {s.shard.dtype})"
+                    for s in states
+                    if s.param.data.shape != s.shape or s.param.data.dtype != s.shard.dtype
+                ]
+                failed = gather.ranks_that_failed(states, failed_here or bool(replaced))
                 if not failed:
                     gather.broadcast_full(states, self.modifier_rank)
                     updated = True
+                elif replaced and not failed_here:
+                    raise ValueError(
+                        f"{self._describe()}: the body replaced parameters with tensors of another shape "
+                        f"or dtype: {'; '.join(replaced)}; edit them in place (p.data[...] = ..., "
+                        "p.data.copy_(...)); the edits were discarded on every rank"
+                    )
                 elif not failed_here:
                     raise RuntimeError(
-                        f"{self._describe()}: the body raised on rank(s) {failed}; the edits were "
-                        "discarded on every rank (see the error on those ranks)"
+                        f"{self._describe()}: the body raised or replaced a parameter on rank(s) {failed}; "
+                        "the edits were discarded on every rank (see the error on those ranks)"
                     )
             elif any(s.sanity_checks for s in states):
                 self._raise_on_discarded_edits(states)
