@@ -263,6 +263,27 @@ class TestEngineRobustness(DistributedTest):
             with pytest.raises(RuntimeError, match=r"^engine.backward\(\): .*loss.backward\(\)"):
                 engine.backward(engine(x).sum())
 
+    def test_zero_grad_discards_a_micro_step_at_every_stage(self):
+        # At stages 0-1 the gradients of a micro-step wait whole in param.grad until the
+        # boundary; engine.zero_grad() must drop them too, not only the reduced shards.
+        def run(stage, discard):
+            torch.manual_seed(0)
+            config = sgd_config(zero_optimization={"stage": stage}, gradient_accumulation_steps=2)
+            engine, *_ = deepspeed.initialize(model=nn.Linear(WIDTH, 2), config=config)
+            x = torch.ones(BATCH // (2 * dist.get_world_size()), WIDTH) * (dist.get_rank() + 1)
+            if discard:
+                engine.backward(engine(x * 100).sum())
+                engine.zero_grad()
+            for _ in range(2):
+                engine.backward(engine(x).sum())
+                engine.step()
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                return [p.detach().clone() for p in engine.module.parameters()]
+
+        for stage in (0, 1, 2, 3):
+            clean, discarded = run(stage, False), run(stage, True)
+            assert all(torch.equal(a, b) for a, b in zip(clean, discarded)), stage
+
     def test_ranks_training_different_parameters_are_refused(self):
         # Rank 0 runs branch x, rank 1 branch y, both the same shape: the collectives match in
         # size, so without the check each rank's gradients were silently added to the other's.
