@@ -21,7 +21,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
 from deepspeed.runtime.checkpointing import CheckpointMixin
 from deepspeed.runtime.config import DeepSpeedConfig
-from deepspeed.runtime.forward_prologue import forward_prologue
+from deepspeed.runtime.forward_prologue import forward_prologue, report_progress
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
@@ -284,7 +284,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     # ------------------------------------------------------------------ training
 
     def forward(self, *args, **kwargs):
-        args, kwargs = forward_prologue(self, args, kwargs)  # fp16.auto_cast, steps_per_print
+        args, kwargs = forward_prologue(self, args, kwargs)  # fp16.auto_cast
         # The module's own hooks gather, release and mark where a pass starts and ends, so a
         # direct call of the module (generate, an eval loop) behaves the same (see hooks.py).
         return self.module(*args, **kwargs)
@@ -359,6 +359,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             self.optimizer.zero_grad()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            report_progress(self)  # steps_per_print
         self.micro_steps += 1
 
     def _refresh_full_params(self, after_load: bool = False) -> None:

@@ -592,6 +592,32 @@ class TestApiSurfaceDistributed(DistributedTest):
         finally:
             checkpointing.reset()
 
+    def test_steps_per_print_logs_from_step(self):
+        from deepspeed.utils.logging import logger
+
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            net = LeafNet()
+            cfg = dict(_cfg(), steps_per_print=2)
+            engine, *_ = deepspeed.initialize(model=net, config=cfg)
+            x = torch.randn(4 // dist.get_world_size(), WIDTH)
+            for _ in range(4):  # the last step is followed by no forward: it still logs
+                engine.backward(_leaf_loss(engine, x))
+                engine.step()
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        said = [r.getMessage() for r in records if "step=" in r.getMessage()]
+        if dist.get_rank() == 0:
+            assert [m.split("step=")[1].split(",")[0] for m in said] == ["2", "4"] and "skipped=0" in said[0]
+        else:
+            assert said == []
+
     def test_a_passed_optimizer_wins_over_the_config_block_and_says_so(self):
         from deepspeed.utils.logging import logger
 
