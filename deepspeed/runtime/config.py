@@ -252,10 +252,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         "load_universal_checkpoint": _true_unsupported(
             "universal checkpoints are not read; checkpoints saved here load on any number of ranks as they are"
         ),
-        "dataloader_drop_last": _true_unsupported(
-            "the engine's data loader gives every rank the same number of full batches already; "
-            "pass your own DataLoader(drop_last=True) otherwise"
-        ),
         "checkpoint": Unsupported(
             "supported entries are use_node_local_storage, tag_validation 'Warn' or 'Fail' (a tag that "
             "differs between ranks always raises) and load_universal false",

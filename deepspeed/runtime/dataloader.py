@@ -38,11 +38,22 @@ class DeepSpeedDataLoader:
     """Iterates micro-batches of this rank's share; `len()` is the number of micro-batches."""
 
     def __init__(
-        self, dataset: Any, micro_batch_size: int, collate_fn: Optional[Any] = None, shuffle: bool = True
+        self,
+        dataset: Any,
+        micro_batch_size: int,
+        collate_fn: Optional[Any] = None,
+        shuffle: bool = True,
+        drop_last: bool = False,
     ):
         self.sampler = RankShardSampler(len(dataset), dist.get_rank(), dist.get_world_size(), shuffle)
+        # Every rank gets the same number of samples; drop_last (the config's
+        # `dataloader_drop_last`) also drops each rank's last, smaller micro-batch.
         self.loader = DataLoader(
-            dataset, batch_size=micro_batch_size, sampler=self.sampler, collate_fn=collate_fn
+            dataset,
+            batch_size=micro_batch_size,
+            sampler=self.sampler,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
         )
         self.epoch = 0
 

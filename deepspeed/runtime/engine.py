@@ -247,7 +247,12 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             return None
         from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 
-        return DeepSpeedDataLoader(training_data, self.train_micro_batch_size_per_gpu(), collate_fn)
+        return DeepSpeedDataLoader(
+            training_data,
+            self.train_micro_batch_size_per_gpu(),
+            collate_fn,
+            drop_last=self._config.dataloader_drop_last,
+        )
 
     def _install_grad_hooks(self) -> list:
         self.reducer = GradientReducer.from_config(self._config, self.optimizer.accumulate_grad)

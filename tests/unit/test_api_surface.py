@@ -592,6 +592,25 @@ class TestApiSurfaceDistributed(DistributedTest):
         finally:
             checkpointing.reset()
 
+    def test_the_engine_data_loader_shards_the_data_set(self):
+        from torch.utils.data import TensorDataset
+
+        data = TensorDataset(torch.arange(11).float().unsqueeze(1))  # 11: a ragged tail at 2 ranks
+        ws = dist.get_world_size()
+        for drop_last in (False, True):
+            cfg = dict(_cfg(), train_micro_batch_size_per_gpu=2, dataloader_drop_last=drop_last)
+            cfg["gradient_accumulation_steps"] = 1
+            _, _, loader, _ = deepspeed.initialize(model=LeafNet(), config=cfg, training_data=data)
+            batches = [b[0].reshape(-1) for b in loader]
+            per_rank = 11 // ws
+            sizes = [2] * (per_rank // 2) + ([] if drop_last or per_rank % 2 == 0 else [1])
+            assert [len(b) for b in batches] == sizes and len(loader) == len(sizes), (drop_last, batches)
+            mine = torch.cat(batches) if batches else torch.empty(0)
+            everyone = [torch.empty_like(mine) for _ in range(ws)]
+            dist.all_gather(everyone, mine)
+            seen = torch.cat(everyone).tolist()
+            assert len(seen) == len(set(seen)) == ws * sum(sizes)  # disjoint shares, equal on every rank
+
     def test_steps_per_print_logs_from_step(self):
         from deepspeed.utils.logging import logger
 
