@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
+from deepspeed.utils.logging import logger
 
 
 def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
@@ -13,6 +14,15 @@ def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
         raise ValueError("deepspeed.initialize: pass config or config_params, not both")
     chosen = config if config is not None else config_params
     from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    legacy = getattr(args, "deepscale_config", None) if args is not None else None
+    if legacy is not None:
+        if from_args is not None:
+            raise ValueError(
+                f"deepspeed.initialize: args.deepspeed_config={from_args!r} and the deprecated "
+                f"args.deepscale_config={legacy!r} are both set; keep --deepspeed_config"
+            )
+        logger.warning("--deepscale_config is deprecated; use --deepspeed_config (read as such)")
+        from_args = legacy
     if chosen is not None and from_args is not None:
         raise ValueError(
             f"deepspeed.initialize: a config was passed and args.deepspeed_config={from_args!r} is set; keep one"
@@ -53,6 +63,12 @@ def initialize(
     if model is None:
         raise ValueError("deepspeed.initialize: model is required")
     chosen = _pick_config(args, config, config_params)
+    if dist_init_required is False and not dist.is_initialized():
+        raise RuntimeError(
+            "deepspeed.initialize(dist_init_required=False): torch.distributed is not initialized; "
+            "initialize it first (deepspeed.init_distributed() or torch.distributed.init_process_group) "
+            "or leave dist_init_required unset"
+        )
     dist.init_distributed(
         distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False
     )

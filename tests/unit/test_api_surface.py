@@ -98,6 +98,23 @@ def test_add_config_arguments():
     assert parser.parse_args([]).deepspeed is False
 
 
+def test_initialize_reads_the_config_from_args_and_refuses_a_missing_group():
+    from deepspeed.runtime.initialize import _pick_config
+
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    assert _pick_config(parser.parse_args(["--deepspeed_config", "a.json"]), None, None) == "a.json"
+    assert _pick_config(parser.parse_args(["--deepscale_config", "old.json"]), None, None) == "old.json"
+    with pytest.raises(ValueError, match="both set"):
+        _pick_config(
+            parser.parse_args(["--deepspeed_config", "a.json", "--deepscale_config", "b.json"]), None, None
+        )
+    if not torch.distributed.is_initialized():  # this process has no process group
+        with pytest.raises(RuntimeError, match=r"dist_init_required=False.*not initialized"):
+            deepspeed.initialize(
+                model=nn.Linear(2, 2), config={"train_batch_size": 1}, dist_init_required=False
+            )
+
+
 def test_launcher_environment_file_name():
     from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
 
