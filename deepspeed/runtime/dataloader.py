@@ -44,23 +44,50 @@ class DeepSpeedDataLoader:
         collate_fn: Optional[Any] = None,
         shuffle: bool = True,
         drop_last: bool = False,
+        sampler: Optional[Sampler] = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
     ):
-        self.sampler = RankShardSampler(len(dataset), dist.get_rank(), dist.get_world_size(), shuffle)
-        # Every rank gets the same number of samples; drop_last (the config's
+        # By default every rank gets the same number of samples, its own; a caller's sampler
+        # (engine.deepspeed_io(data_sampler=...)) decides that itself. drop_last (the config's
         # `dataloader_drop_last`) also drops each rank's last, smaller micro-batch.
+        if sampler is None:
+            sampler = RankShardSampler(len(dataset), dist.get_rank(), dist.get_world_size(), shuffle)
+        self.sampler = sampler
         self.loader = DataLoader(
             dataset,
             batch_size=micro_batch_size,
             sampler=self.sampler,
             collate_fn=collate_fn,
             drop_last=drop_last,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
         )
         self.epoch = 0
 
     def __iter__(self):
-        self.sampler.set_epoch(self.epoch)
+        if hasattr(self.sampler, "set_epoch"):  # a new order each epoch, the same on every rank
+            self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         return iter(self.loader)
 
     def __len__(self) -> int:
         return len(self.loader)
+
+
+class RepeatingLoader:
+    """Iterate `loader` forever: when it is exhausted, start it again (a new epoch)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._it = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._it = iter(self.loader)
+            return next(self._it)  # an empty loader raises StopIteration here, as it should

@@ -245,13 +245,41 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     def _build_dataloader(self, training_data: Any, collate_fn: Any) -> Any:
         if training_data is None:
             return None
+        return self.deepspeed_io(training_data, collate_fn=collate_fn)
+
+    def deepspeed_io(
+        self,
+        dataset: Any,
+        batch_size: Optional[int] = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Any = None,
+        num_local_io_workers: Optional[int] = None,
+    ) -> Any:
+        """A data loader of `dataset` for this rank, as `initialize(training_data=...)` builds.
+
+        `batch_size` defaults to the micro-batch size. `route` "train" shuffles each epoch
+        (the same permutation on every rank, each rank its own share); "eval", "predict" and
+        "encode" keep the data set's order. `data_sampler` replaces the per-rank sampler;
+        `pin_memory` pins batches when the accelerator is not the CPU; `num_local_io_workers`
+        are the DataLoader's worker processes.
+        """
+        from deepspeed.accelerator import get_accelerator
         from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 
+        routes = ("train", "eval", "predict", "encode")
+        if route not in routes:
+            raise ValueError(f"engine.deepspeed_io: route={route!r} is not one of {routes}")
         return DeepSpeedDataLoader(
-            training_data,
-            self.train_micro_batch_size_per_gpu(),
+            dataset,
+            batch_size or self.train_micro_batch_size_per_gpu(),
             collate_fn,
+            shuffle=route == "train",
             drop_last=self._config.dataloader_drop_last,
+            sampler=data_sampler,
+            num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory and get_accelerator().device_name() != "cpu",
         )
 
     def _install_grad_hooks(self) -> list:

@@ -14,6 +14,7 @@ _FRAGMENT = "deepspeed.utils.tensor_fragment"
 # public name -> the module that defines it
 _LAZY = {
     "is_initialized": "deepspeed.comm",
+    "RepeatingLoader": "deepspeed.runtime.dataloader",
     "set_z3_leaf_modules": _LEAF,
     "unset_z3_leaf_modules": _LEAF,
     "get_z3_leaf_modules": _LEAF,

@@ -627,6 +627,17 @@ class TestApiSurfaceDistributed(DistributedTest):
             dist.all_gather(everyone, mine)
             seen = torch.cat(everyone).tolist()
             assert len(seen) == len(set(seen)) == ws * sum(sizes)  # disjoint shares, equal on every rank
+        engine = deepspeed.initialize(model=LeafNet(), config=_cfg())[0]
+        ordered = engine.deepspeed_io(data, batch_size=3, route="eval")  # in order, still this rank's share
+        assert torch.cat([b[0].reshape(-1) for b in ordered]).tolist() == [
+            float(i) for i in range(dist.get_rank(), (11 // ws) * ws, ws)
+        ]
+        everything = engine.deepspeed_io(data, batch_size=4, data_sampler=range(11))  # the caller's sampler
+        assert [len(b[0]) for b in everything] == [4, 4, 3]
+        repeating = deepspeed.utils.RepeatingLoader(everything)
+        assert [len(next(repeating)[0]) for _ in range(5)] == [4, 4, 3, 4, 4]  # starts again when exhausted
+        with pytest.raises(ValueError, match="route='test'"):
+            engine.deepspeed_io(data, route="test")
 
     def test_steps_per_print_logs_from_step(self):
         from deepspeed.utils.logging import logger
