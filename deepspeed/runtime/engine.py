@@ -420,17 +420,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         return self.replicated.get(id(param))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard every gradient so far: the reduced shards, and at stages 0-1 the whole
-        gradients that accumulate in `param.grad` until the accumulation boundary."""
+        """Discard every gradient so far (see `ZeroStage3Optimizer.zero_grad`)."""
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none)
-        for param in self.module.parameters():
-            if param.grad is None:
-                continue
-            if set_to_none:
-                param.grad = None
-            else:
-                param.grad.zero_()
 
     # ------------------------------------------------------------------ queries
 

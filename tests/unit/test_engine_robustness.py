@@ -265,15 +265,19 @@ class TestEngineRobustness(DistributedTest):
 
     def test_zero_grad_discards_a_micro_step_at_every_stage(self):
         # At stages 0-1 the gradients of a micro-step wait whole in param.grad until the
-        # boundary; engine.zero_grad() must drop them too, not only the reduced shards.
+        # boundary; zero_grad (the engine's or the optimizer's) must drop them too, not only
+        # the reduced shards, and a .grad left on the model before initialize as well.
         def run(stage, discard):
             torch.manual_seed(0)
-            config = sgd_config(zero_optimization={"stage": stage}, gradient_accumulation_steps=2)
-            engine, *_ = deepspeed.initialize(model=nn.Linear(WIDTH, 2), config=config)
+            model = nn.Linear(WIDTH, 2)
             x = torch.ones(BATCH // (2 * dist.get_world_size()), WIDTH) * (dist.get_rank() + 1)
             if discard:
+                model(x).sum().backward()  # a sanity check before initialize leaves a .grad
+            config = sgd_config(zero_optimization={"stage": stage}, gradient_accumulation_steps=2)
+            engine, optimizer, *_ = deepspeed.initialize(model=model, config=config)
+            if discard:
                 engine.backward(engine(x * 100).sum())
-                engine.zero_grad()
+                (engine if discard == "engine" else optimizer).zero_grad()
             for _ in range(2):
                 engine.backward(engine(x).sum())
                 engine.step()
@@ -281,8 +285,10 @@ class TestEngineRobustness(DistributedTest):
                 return [p.detach().clone() for p in engine.module.parameters()]
 
         for stage in (0, 1, 2, 3):
-            clean, discarded = run(stage, False), run(stage, True)
-            assert all(torch.equal(a, b) for a, b in zip(clean, discarded)), stage
+            clean = run(stage, None)
+            for discard in ("engine", "optimizer"):
+                got = run(stage, discard)
+                assert all(torch.equal(a, b) for a, b in zip(clean, got)), (stage, discard)
 
     def test_ranks_training_different_parameters_are_refused(self):
         # Rank 0 runs branch x, rank 1 branch y, both the same shape: the collectives match in

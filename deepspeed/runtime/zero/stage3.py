@@ -278,13 +278,18 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         return self.loss_scaler.loss_scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Free the gradient shards (or zero them): between steps they cost 4 bytes/parameter."""
+        """Discard every gradient so far: free (or zero) the reduced fp32 shards, which between
+        steps would cost 4 bytes/parameter, and the parameters' own `.grad`, where stages 0-1
+        accumulate whole gradients until the boundary (and where one left before `initialize`
+        would otherwise join the first step), as upstream's zero_grad does."""
         self._reduced_order = 0
-        for master in self.masters.values():
+        for tensor in [*self.masters.values(), *(state.param for state in self.states)]:
+            if tensor.grad is None:
+                continue
             if set_to_none:
-                master.grad = None
-            elif master.grad is not None:
-                master.grad.zero_()
+                tensor.grad = None
+            else:
+                tensor.grad.zero_()
 
     def untrained(self, module: nn.Module) -> list:
         """Names of `module`'s trainable parameters that no optimizer group holds."""
