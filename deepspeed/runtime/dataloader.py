@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from deepspeed import comm as dist
+from deepspeed.utils.logging import logger
 
 
 class RankShardSampler(Sampler):
@@ -52,7 +53,19 @@ class DeepSpeedDataLoader:
         # (engine.deepspeed_io(data_sampler=...)) decides that itself. drop_last (the config's
         # `dataloader_drop_last`) also drops each rank's last, smaller micro-batch.
         if sampler is None:
-            sampler = RankShardSampler(len(dataset), dist.get_rank(), dist.get_world_size(), shuffle)
+            size, world = len(dataset), dist.get_world_size()
+            if size < world:
+                raise ValueError(
+                    f"DeepSpeedDataLoader: the data set has {size} samples, fewer than the {world} ranks; each "
+                    "rank needs at least one (pass a data_sampler that repeats samples, or more data)"
+                )
+            if size % world and dist.get_rank() == 0:
+                logger.warning(
+                    f"DeepSpeedDataLoader: {size} samples on {world} ranks: each epoch leaves out {size % world} "
+                    f"(the end of that epoch's {'shuffled ' if shuffle else ''}order) so that every rank reads "
+                    f"{size // world}"
+                )
+            sampler = RankShardSampler(size, dist.get_rank(), world, shuffle)
         self.sampler = sampler
         self.loader = DataLoader(
             dataset,

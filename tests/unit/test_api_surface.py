@@ -638,6 +638,9 @@ class TestApiSurfaceDistributed(DistributedTest):
         assert [len(next(repeating)[0]) for _ in range(5)] == [4, 4, 3, 4, 4]  # starts again when exhausted
         with pytest.raises(ValueError, match="route='test'"):
             engine.deepspeed_io(data, route="test")
+        if ws > 1:  # an empty epoch on every rank would train on nothing, silently
+            with pytest.raises(ValueError, match=f"1 samples, fewer than the {ws} ranks"):
+                engine.deepspeed_io(TensorDataset(torch.zeros(1, 1)))
 
     def test_steps_per_print_logs_from_step(self):
         from deepspeed.utils.logging import logger
