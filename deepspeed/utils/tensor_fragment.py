@@ -14,8 +14,9 @@ step consumes and frees them); they are returned unscaled (divided by the fp16 l
 and, with gradient accumulation, hold the sum so far of the micro-steps' averaged
 gradients; at stages 0-1, whose gradients are reduced only at the accumulation boundary,
 `safe_get_full_grad` between micro-steps returns this rank's unreduced sum so far (as
-upstream returns `param.grad`). Getters return None where nothing exists (a frozen parameter, no gradient yet,
-an optimizer state not yet created); setters raise instead, naming what is missing.
+upstream returns `param.grad`). Getters return None where nothing exists (a frozen
+parameter, no gradient yet, an optimizer state not yet created); setters raise instead,
+naming what is missing.
 Setting a parameter's fp32 value also updates its training-dtype shard and, if the
 parameter is currently gathered, its gathered tensor.
 """
