@@ -259,18 +259,18 @@ def gpt2_scaling_table(gpt2: dict) -> str:
 
 
 def collectives_table(entry: dict) -> str:
-    """One step's collectives on rank 0, per implementation: what it asked for, what gloo ran.
+    """One step's collectives on rank 0, per implementation: what it asked for, what ran.
 
     `entry["collectives"]` maps an implementation to `{"requested": {c10d op: calls},
-    "executed": {gloo kind: {"calls", "bytes"}}}` (_train_workers.count_collectives).
+    "executed": {gloo or shm kind: {"calls", "bytes"}}}` (_train_workers.count_collectives).
     """
-    lines = ["| implementation | asked for (c10d op x calls) | gloo ran (kind: calls, MB) |", "|---|---|---|"]
+    lines = ["| implementation | asked for (c10d op x calls) | ran (kind: calls, MB) |", "|---|---|---|"]
     for impl, counts in (entry.get("collectives") or {}).items():
         asked = ", ".join(
             f"{op.removeprefix('c10d::')} x{n}" for op, n in sorted(counts["requested"].items())
         )
         ran = ", ".join(
-            f"{kind.removeprefix('gloo:')}: {row['calls']}, {row['bytes'] / MB:.1f}"
+            f"{kind}: {row['calls']}, {row['bytes'] / MB:.1f}"
             for kind, row in sorted(counts["executed"].items())
         )
         lines.append(f"| {impl} | {asked or 'none'} | {ran or 'none'} |")
@@ -280,11 +280,13 @@ def collectives_table(entry: dict) -> str:
 
 COLLECTIVES_NOTE = (
     "One untimed step on rank 0, through the torch profiler. *Asked for*: the c10d ops the library "
-    "called. *gloo ran*: what gloo executed for them and the MB of tensor it was handed (all_gather: "
-    "this rank's input; all_reduce: the whole buffer; all_to_all: the whole input). On gloo a "
+    "called. *Ran*: `gloo:` kinds are what gloo executed for them, with the MB of tensor it was handed "
+    "(all_gather: this rank's input; all_reduce: the whole buffer; all_to_all: the whole input). On gloo a "
     "reduce-scatter runs as an all-reduce of the whole input, so a library asking for reduce-scatter "
-    "and one asking for all-reduce move the same bytes here; ours asks gloo for an all-to-all and sums "
-    "locally, which sends each byte once, as a reduce-scatter on NCCL does."
+    "and one asking for all-reduce move the same bytes there. `shm:` kinds are ours through the group's "
+    "shared-memory segment (deepspeed/comm/shm.py), which bypasses torch.distributed (so nothing is "
+    "asked of c10d), with the MB each call produced on this rank. DDP, FSDP2 and upstream run on gloo's "
+    "sockets: the difference is a transport choice as much as engine overhead."
 )
 
 

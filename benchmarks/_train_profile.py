@@ -55,7 +55,12 @@ _TARGETS = (
     ("deepspeed.runtime.zero.gather", "", "_gather_bucket", "step: all-gather + copy into params"),
     ("deepspeed.runtime.zero.grad_reducer", "GradientReducer", "_reduce", "grad: pack+reduce+accumulate"),
     ("deepspeed.runtime.zero.stage3", "ZeroStage3Optimizer", "step", "optim: ZeRO step"),
-    ("deepspeed.runtime.zero.stage3", "ZeroStage3Optimizer", "_global_norm_of_scaled_grads", "optim: global grad norm"),
+    (
+        "deepspeed.runtime.zero.stage3",
+        "ZeroStage3Optimizer",
+        "_global_norm_of_scaled_grads",
+        "optim: global grad norm",
+    ),
     ("deepspeed.runtime.zero.stage3", "ZeroStage3Optimizer", "_write_back_masters", "optim: masters->shards"),
     ("deepspeed.runtime.zero.stage3", "ZeroStage3Optimizer", "zero_grad", "optim: zero_grad"),
     ("torch.optim", "AdamW", "step", "optim: torch AdamW.step"),

@@ -461,6 +461,13 @@ _DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "lo
 _DTYPE_BYTES.update({"bool": 1, "unsigned char": 1, "signed char": 1, "short int": 2})
 
 
+def _shm_counts() -> dict:
+    """Our facade's shared-memory collectives so far (none in other implementations)."""
+    facade = sys.modules.get("deepspeed.comm.comm")
+    counts = getattr(facade, "shm_counts", None)
+    return counts() if counts is not None else {}
+
+
 def count_collectives(runner: Runner) -> dict:
     """One step under the torch profiler: the collectives this rank asked for and what gloo ran.
 
@@ -470,17 +477,25 @@ def count_collectives(runner: Runner) -> dict:
     `c10d::_reduce_scatter_base_` runs as `gloo:all_reduce` of the whole input). Both are
     counted: `requested` calls by op, `executed` calls and bytes by gloo kind. This sees
     every path (deepspeed.comm, FSDP2's functions, DDP's C++ reducer) without patching any.
+    Our collectives that ran through shared memory (comm/shm.py) bypass torch.distributed;
+    the facade's own counters add them to `executed` as `shm:<kind>`, with the bytes each
+    call produced on this rank.
     """
     from torch.profiler import ProfilerActivity, profile
 
     x, y = runner.batches[runner.done % len(runner.batches)]
     if runner.distributed:
         tdist.barrier()
+    shm_before = _shm_counts()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         runner.last_loss = float(runner.step(x, y).detach().float())
     runner.done += 1
     requested: dict = {}
     executed: dict = {}
+    for kind, (calls, nbytes) in _shm_counts().items():
+        before = shm_before.get(kind, (0, 0))
+        if calls > before[0]:
+            executed[f"shm:{kind}"] = {"calls": calls - before[0], "bytes": nbytes - before[1]}
     for event in prof.events():
         if event.name.startswith("c10d::"):
             requested[event.name] = requested.get(event.name, 0) + 1

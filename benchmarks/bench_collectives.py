@@ -1,4 +1,4 @@
-"""Which gloo collective moves ZeRO's bytes fastest on CPU? The choices `deepspeed.comm` makes.
+"""Which collective moves ZeRO's bytes fastest on CPU? The choices `deepspeed.comm` makes.
 
     python benchmarks/bench_collectives.py                  # 2 and 4 gloo CPU ranks
     python benchmarks/bench_collectives.py --quick          # seconds; what the smoke test runs
@@ -9,16 +9,19 @@ the figure is the median over repetitions:
 
   all_gather_native     torch.distributed.all_gather_single (all_gather_into_tensor)
   all_gather_broadcast  one asynchronous broadcast per rank into its chunk of the output
-  all_gather_ours       deepspeed.comm.all_gather_into_tensor (which of the two it picks)
+  all_gather_ours       deepspeed.comm.all_gather_into_tensor (on one host: through shared
+                        memory; DEEPSPEED_SHM_COMM=0: the faster of the two above)
   reduce_scatter_native torch.distributed.reduce_scatter_single
   all_reduce            torch.distributed.all_reduce of the whole input (what a reduce-scatter
                         that keeps its slice of an all-reduce pays)
   all_to_all_sum        torch.distributed.all_to_all_single, then the received rows added
-  reduce_scatter_ours   deepspeed.comm.reduce_scatter_tensor (on gloo: the all-to-all and sum)
+  reduce_scatter_ours   deepspeed.comm.reduce_scatter_tensor (on one host: through shared
+                        memory; DEEPSPEED_SHM_COMM=0: the all-to-all and sum)
 
-These are collective choices of the gloo CPU backend; on nccl `deepspeed.comm` uses the
-native all-gather and reduce-scatter (see [Note: all-gather on gloo] and [Note:
-reduce-scatter on gloo] in deepspeed/comm/comm.py).
+These are collective choices for CPU tensors on a gloo group; on nccl `deepspeed.comm` uses
+the native all-gather and reduce-scatter (see [Note: shared-memory collectives] in
+deepspeed/comm/shm.py, [Note: all-gather on gloo] and [Note: reduce-scatter on gloo] in
+deepspeed/comm/comm.py).
 """
 
 from __future__ import annotations

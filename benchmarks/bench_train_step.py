@@ -254,19 +254,20 @@ def count_collectives(groups: dict, failed: dict) -> dict:
 
 
 def print_collectives(collectives: dict) -> None:
-    """Calls per step on rank 0 by c10d op, and what gloo ran (calls and MB it was handed)."""
+    """Calls per step on rank 0 by c10d op, and what ran: gloo's kinds (calls and MB it was
+    handed) and ours through shared memory (`shm:` kinds, calls and MB produced)."""
     if not collectives:
         return
-    print("  collectives in one step, rank 0 (asked for: c10d op x calls; gloo ran: kind calls/MB):")
+    print("  collectives in one step, rank 0 (asked for: c10d op x calls; ran: kind calls/MB):")
     for impl, counts in collectives.items():
         asked = ", ".join(
             f"{op.removeprefix('c10d::')} x{n}" for op, n in sorted(counts["requested"].items())
         )
         ran = ", ".join(
-            f"{kind.removeprefix('gloo:')} {row['calls']}/{row['bytes'] / 2**20:.1f}"
+            f"{kind} {row['calls']}/{row['bytes'] / 2**20:.1f}"
             for kind, row in sorted(counts["executed"].items())
         )
-        print(f"    {NAMES.get(impl, impl):34s} {asked or 'none'}; gloo: {ran or 'none'}")
+        print(f"    {NAMES.get(impl, impl):34s} {asked or 'none'}; ran: {ran or 'none'}")
 
 
 def _median_text(times: dict, impl: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as _dist
 
-from deepspeed.comm import env_discovery
+from deepspeed.comm import env_discovery, shm
 from deepspeed.utils.logging import logger
 
 ReduceOp = _dist.ReduceOp
@@ -210,8 +210,10 @@ def is_available() -> bool:
 
 def destroy_process_group(group: Optional[ProcessGroup] = None) -> None:
     if group is None:
+        _SHM_CHANNELS.clear()
         _dist.destroy_process_group()
     else:
+        _SHM_CHANNELS.pop(group, None)
         _dist.destroy_process_group(group)
 
 
@@ -255,10 +257,94 @@ def new_group(ranks: Optional[list] = None, **kwargs: Any) -> ProcessGroup:
     return _dist.new_group(ranks=ranks, **kwargs)
 
 
+# ----------------------------------------------------------------------------- shared memory
+
+# Each gloo group's shared-memory channel, None where it cannot have one ([Note: shared-memory
+# collectives] in shm.py). Keyed by the group object (the default group for None): a group
+# destroyed behind our back keeps its entry until the next channel is made, which drops it.
+_SHM_CHANNELS: dict = {}
+
+
+def _shm_channel(group: Optional[ProcessGroup], *tensors: torch.Tensor) -> Optional[shm.ShmChannel]:
+    """The group's shared-memory channel when `tensors` can use it, else None (use the backend).
+
+    Made on the group's first eligible collective, which every rank reaches in the same
+    order, so making it (two small gloo collectives) is itself collective.
+    """
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return None
+    key = _dist.group.WORLD if group is None else group
+    channel = _SHM_CHANNELS.get(key, False)
+    if channel is not False:
+        return channel
+    if get_backend(group) != "gloo" or get_world_size(group) == 1:
+        _SHM_CHANNELS[key] = None
+        return None
+    _drop_stale_channels()
+    channel = _SHM_CHANNELS[key] = _make_shm_channel(group)
+    return channel
+
+
+def _make_shm_channel(group: Optional[ProcessGroup]) -> Optional[shm.ShmChannel]:
+    """Rank 0 makes the segment; every rank maps it and checks rank 0's token; all or none use it."""
+    world, rank = get_world_size(group), get_rank(group)
+    reason = shm.unsupported_reason(world)
+    made = [None, None, shm.SLOT_BYTES]
+    if rank == 0 and reason is None:
+        try:
+            made[:2] = shm.create_segment(world, shm.SLOT_BYTES)
+        except OSError as exc:
+            reason = f"cannot reserve {shm.segment_bytes(world, shm.SLOT_BYTES) >> 20} MB in /dev/shm: {exc}"
+    broadcast_object_list(made, src=get_global_rank(group, 0), group=group)
+    path, token, slot_bytes = made
+    channel = None
+    if path is not None and reason is None:
+        try:
+            channel = shm.ShmChannel(path, token, world, rank, default_timeout().total_seconds(), slot_bytes)
+        except (OSError, ValueError) as exc:
+            reason = str(exc)
+    answers: list = [None] * world
+    all_gather_object(answers, (reason, os.getpid(), shm.pid_namespace()), group=group)
+    if rank == 0 and path is not None:
+        os.unlink(path)  # every rank has mapped it (or failed to): the name is no longer needed
+    reasons = [r for r, _, _ in answers if r is not None]
+    if reasons:
+        if rank == 0:
+            logger.info(f"collectives of a {world}-rank gloo group use gloo, not shared memory: {reasons[0]}")
+        return None
+    if len({ns for _, _, ns in answers}) == 1:
+        channel.check_liveness_of([pid for _, pid, _ in answers])
+    return channel
+
+
+def _drop_stale_channels() -> None:
+    """Forget channels of groups torch no longer knows (destroyed without our facade)."""
+    known = getattr(getattr(_dist.distributed_c10d, "_world", None), "pg_map", None)
+    if known is None:
+        return
+    for group in [g for g in _SHM_CHANNELS if g not in known]:
+        del _SHM_CHANNELS[group]
+
+
+def shm_counts() -> dict:
+    """Collectives run through shared memory so far, by kind: `{kind: [calls, output bytes]}`."""
+    total: dict = {}
+    for channel in _SHM_CHANNELS.values():
+        for kind, (calls, nbytes) in (channel.counts if channel is not None else {}).items():
+            row = total.setdefault(kind, [0, 0])
+            row[0] += calls
+            row[1] += nbytes
+    return total
+
+
 # ----------------------------------------------------------------------------- collectives
 
 
 def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> CommHandle:
+    channel = _shm_channel(group)
+    if channel is not None:
+        channel.barrier()
+        return CommHandle()
     return _handle(_dist.barrier(group=group, async_op=async_op), async_op)
 
 
@@ -266,6 +352,10 @@ def broadcast(
     tensor: torch.Tensor, src: int, group: Optional[ProcessGroup] = None, async_op: bool = False
 ) -> CommHandle:
     """Broadcast from global rank `src` (DeepSpeed and torch both take a global rank here)."""
+    channel = _shm_channel(group, tensor)
+    if channel is not None:
+        channel.broadcast(tensor, src if group is None else _dist.get_group_rank(group, src))
+        return CommHandle()
     return _handle(_dist.broadcast(tensor, src, group=group, async_op=async_op), async_op)
 
 
@@ -275,6 +365,11 @@ def all_reduce(
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
 ) -> CommHandle:
+    if op == ReduceOp.SUM and tensor.dtype in shm.SUMMABLE:
+        channel = _shm_channel(group, tensor)
+        if channel is not None:
+            channel.all_reduce_sum(tensor)
+            return CommHandle()
     return _handle(_dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
 
 
@@ -316,6 +411,11 @@ def all_gather_into_tensor(
             f"all_gather_into_tensor: output has {output_tensor.numel()} elements, which is not "
             f"{world} ranks x the input's {input_tensor.numel()}"
         )
+    if output_tensor.dtype == input_tensor.dtype:
+        channel = _shm_channel(group, output_tensor, input_tensor)
+        if channel is not None:
+            channel.all_gather(output_tensor, input_tensor)
+            return CommHandle()
     nbytes = output_tensor.numel() * output_tensor.element_size()
     on_gloo = get_backend(group) == "gloo"
     if not on_gloo or nbytes < GLOO_BROADCAST_MIN_BYTES:
@@ -379,6 +479,12 @@ def reduce_scatter_tensor(
             f"reduce_scatter_tensor: input has {input_tensor.numel()} elements, which is not {world} ranks "
             f"x the output's {n}"
         )
+    same_dtype = output_tensor.dtype == input_tensor.dtype
+    if op == ReduceOp.SUM and same_dtype and input_tensor.dtype in shm.SUMMABLE:
+        channel = _shm_channel(group, output_tensor, input_tensor)
+        if channel is not None:
+            channel.reduce_scatter_sum(output_tensor, input_tensor)
+            return CommHandle()
     if op == ReduceOp.SUM:
         if scratch is None:
             scratch = torch.empty(world * n, dtype=input_tensor.dtype, device=input_tensor.device)

@@ -1,7 +1,10 @@
 """The comm facade on real spawned process groups (gloo on CPU), and the harness's failure paths."""
 
 import os
+import subprocess
+import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -9,6 +12,13 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from tests.unit.common import DistributedTest, _run_distributed, get_free_port
+
+
+def gloo_only():
+    """Collectives of this block take the process group's own path, not shared memory."""
+    from deepspeed.comm import comm as facade
+
+    return mock.patch.object(facade, "_shm_channel", lambda group, *tensors: None)
 
 
 class TestCollectives(DistributedTest):
@@ -60,6 +70,10 @@ class TestCollectives(DistributedTest):
     def test_all_gather_both_gloo_paths(self):
         """Below and above GLOO_BROADCAST_MIN_BYTES (one broadcast per rank), sync and async,
         out of place, in place (the input is this rank's chunk of the output) and on a subgroup."""
+        with gloo_only():
+            self._all_gather_cases()
+
+    def _all_gather_cases(self):
         from deepspeed.comm import comm as facade
 
         rank, size = dist.get_rank(), dist.get_world_size()
@@ -93,6 +107,10 @@ class TestCollectives(DistributedTest):
     def test_reduce_scatter_paths(self):
         """A sum on gloo is an all-to-all plus a local add in rank order (comm.py's note): into a
         caller's scratch or not, async, bf16, odd sizes; other ops all-reduce and keep the slice."""
+        with gloo_only():
+            self._reduce_scatter_cases()
+
+    def _reduce_scatter_cases(self):
         rank, size = dist.get_rank(), dist.get_world_size()
         n = 1001  # odd: no size is a multiple of a vector width
         contribs = [torch.randn(size * n, generator=torch.Generator().manual_seed(r)) for r in range(size)]
@@ -149,6 +167,143 @@ class TestCollectives(DistributedTest):
     def test_init_distributed_is_noop_when_initialized(self):
         dist.init_distributed(dist_backend="gloo", verbose=False)
         assert dist.is_initialized()
+
+
+def _values(seed: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(n, generator=torch.Generator().manual_seed(100 + seed)) * 10).to(dtype)
+
+
+class TestSharedMemoryCollectives(DistributedTest):
+    """[Note: shared-memory collectives] (comm/shm.py): on a gloo group of one host, the
+    facade's all-gather, reduce-scatter, all-reduce, broadcast and barrier go through a
+    shared segment; each must give exactly the reference's bits."""
+
+    world_size = [2, 4]
+
+    def test_every_op_gives_the_reference_bits_across_chunks(self):
+        from deepspeed.comm import comm as facade
+        from deepspeed.comm import shm
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        with mock.patch.object(shm, "SLOT_BYTES", 256):  # a new group's channel: tiny chunks
+            group = dist.new_group(list(range(size)))
+            channel = facade._shm_channel(group, torch.zeros(1))
+        assert channel is not None and channel.slot_bytes == 256
+        cases = [
+            (dtype, n)
+            for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64)
+            for n in (1, 63, 1001)
+        ]
+        for dtype, n in cases:
+            others = [_values(r, n, dtype) for r in range(size)]
+            full = torch.empty(size * n, dtype=dtype)
+            dist.all_gather_into_tensor(full, others[rank], group=group)
+            assert torch.equal(full, torch.cat(others)), (dtype, n)
+            in_place = torch.zeros(size * n, dtype=dtype)
+            in_place.view(size, n)[rank].copy_(others[rank])
+            dist.all_gather_into_tensor(
+                in_place, in_place.view(size, n)[rank], group=group, async_op=True
+            ).wait()
+            assert torch.equal(in_place, full), ("in place", dtype, n)
+
+            contribs = [_values(r, size * n, dtype) for r in range(size)]
+            expected = contribs[0][rank * n : (rank + 1) * n].clone()
+            for c in contribs[1:]:
+                expected += c[rank * n : (rank + 1) * n]  # rank order, as the channel adds
+            out = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(out, contribs[rank], group=group, async_op=True).wait()
+            assert torch.equal(out, expected), ("reduce-scatter", dtype, n)
+
+            total = others[0].clone()
+            for other in others[1:]:
+                total += other
+            summed = others[rank].clone()
+            dist.all_reduce(summed, group=group)
+            assert torch.equal(summed, total), ("all-reduce", dtype, n)
+
+            sent = others[rank].clone()
+            dist.broadcast(sent, src=size - 1, group=group)
+            assert torch.equal(sent, others[size - 1]), ("broadcast", dtype, n)
+        dist.barrier(group=group)
+        calls = {kind: row[0] for kind, row in channel.counts.items()}
+        assert calls == {
+            "all_gather": 2 * len(cases),
+            "reduce_scatter": len(cases),
+            "all_reduce": len(cases),
+            "broadcast": len(cases),
+            "barrier": 1,
+        }, calls
+
+    def test_subgroups_gloo_in_flight_and_switching_off(self):
+        """A subgroup's broadcast takes a global source rank; an asynchronous gloo collective
+        in flight meanwhile is undisturbed; DEEPSPEED_SHM_COMM=0 keeps a new group on gloo."""
+        from deepspeed.comm import comm as facade
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        odds = list(range(1, size, 2)) if size > 2 else [0, 1]
+        group = dist.new_group(odds)
+        if rank in odds:
+            t = torch.full((5,), float(rank))
+            dist.broadcast(t, src=odds[-1], group=group)
+            assert torch.equal(t, torch.full((5,), float(odds[-1])))
+            assert facade._shm_channel(group, t) is not None
+
+        peak = torch.tensor([float(rank)])
+        handle = dist.all_reduce(peak, op=dist.ReduceOp.MAX, async_op=True)  # not a sum: gloo
+        ones = torch.ones(3)
+        dist.all_reduce(ones)
+        handle.wait()
+        assert peak.item() == size - 1 and torch.equal(ones, torch.full((3,), float(size)))
+
+        with mock.patch.dict(os.environ, {"DEEPSPEED_SHM_COMM": "0"}):
+            plain = dist.new_group(list(range(size)))
+            t = torch.ones(2)
+            dist.all_reduce(t, group=plain)
+            assert facade._shm_channel(plain, t) is None
+        assert torch.equal(t, torch.full((2,), float(size)))
+
+
+def _lone_channel(timeout_s: float):
+    """Rank 0 of a 2-rank channel whose rank 1 never comes."""
+    from deepspeed.comm import shm
+
+    path, token = shm.create_segment(2, 64)
+    try:
+        return shm.ShmChannel(path, token, 2, 0, timeout_s, slot_bytes=64)
+    finally:
+        os.unlink(path)
+
+
+def test_shm_wait_names_a_peer_that_exited_and_the_channel_refuses_after():
+    channel = _lone_channel(timeout_s=600)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    channel.check_liveness_of([os.getpid(), gone.pid])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"rank\(s\) \[1\] \(pid \[{gone.pid}\]\) exited"):
+        channel.all_reduce_sum(torch.ones(3))
+    assert time.monotonic() - start < 10  # about a second, not the 600 s timeout
+    with pytest.raises(RuntimeError, match="stopped after an error"):
+        channel.barrier()
+
+
+def test_shm_wait_times_out_naming_the_missing_rank():
+    channel = _lone_channel(timeout_s=0.5)
+    with pytest.raises(RuntimeError, match=r"waited \d+ s for rank\(s\) \[1\]"):
+        channel.all_gather(torch.empty(4), torch.ones(2))
+
+
+def test_shm_refuses_a_segment_rank_0_did_not_write():
+    from deepspeed.comm import shm
+
+    path, _ = shm.create_segment(2, 64)
+    try:
+        with pytest.raises(ValueError, match="do not share /dev/shm"):
+            shm.ShmChannel(path, b"x" * 16, 2, 1, 60.0, slot_bytes=64)
+    finally:
+        os.unlink(path)
+    with mock.patch.dict(os.environ, {"DEEPSPEED_SHM_COMM": "0"}):
+        assert shm.unsupported_reason(2) == "DEEPSPEED_SHM_COMM=0"
 
 
 class TestFileInit(DistributedTest):
