@@ -277,7 +277,8 @@ def _shm_channel(group: Optional[ProcessGroup], *tensors: torch.Tensor) -> Optio
     channel = _SHM_CHANNELS.get(key, False)
     if channel is not False:
         return channel
-    if get_backend(group) != "gloo" or get_world_size(group) == 1:
+    # A rank outside `group` keeps torch's own answer to a call it should not make.
+    if get_rank(group) < 0 or get_backend(group) != "gloo" or get_world_size(group) == 1:
         _SHM_CHANNELS[key] = None
         return None
     _drop_stale_channels()

@@ -22,7 +22,11 @@ handle). Sums add the ranks' rows in rank order, so every rank gets the same bit
 are also what the gloo path's all-to-all plus local sum computes.
 
 The barrier: a rank bumps its counter after its writes and waits until every counter has
-reached its own, yielding the CPU meanwhile. A peer that exited (checked about once a
+reached its own, yielding the CPU meanwhile. Beside the counter each rank posts what it is
+doing (the op, dtype, element count, broadcast source), in the same half as the data, and
+after the barrier every rank compares all posts: ranks that disagree (a rank skipped a
+collective, or sizes differ, where gloo would report a mismatch) all raise at that barrier,
+naming each rank's op, instead of reading slots laid out for another op. A peer that exited (checked about once a
 second, when the ranks share a pid namespace) or the comm timeout turns the wait into an
 error naming the missing ranks, and the channel refuses further use: a failure on one
 rank does not become a silent hang on the others.
@@ -49,10 +53,11 @@ import torch
 ENV = "DEEPSPEED_SHM_COMM"  # "0": every collective goes through the process group's backend
 SLOT_BYTES = 4 << 20  # one rank's share of one chunk (new channels read it when made)
 MAX_WORLD = 128  # ranks a control page holds (counters, pids, token)
-_CONTROL_BYTES = 4096
+_CONTROL_BYTES = 8192
 _PIDS_OFFSET = 8 * MAX_WORLD
 _TOKEN_OFFSET = 16 * MAX_WORLD
 _TOKEN_BYTES = 16
+_POSTS_OFFSET = 4096  # int64 [2 halves, MAX_WORLD ranks, 2]: what each rank's chunk belongs to
 _LIVENESS_CHECK_S = 1.0  # how often a waiting rank checks that the ranks it waits for exist
 _SPIN_YIELDS = 1000  # yields before a waiting rank starts sleeping between checks
 # Element types a sum may run on here (gloo's others, complex included, keep gloo).
@@ -67,6 +72,30 @@ SUMMABLE = {
     torch.int8,
     torch.uint8,
 }
+
+
+_KINDS = ("barrier", "all_gather", "reduce_scatter", "all_reduce", "broadcast")
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)  # fmt: skip
+
+
+def _post(kind: str, dtype: Optional[torch.dtype], numel: int, src: int = -1) -> tuple:
+    """What a rank posts for one chunk of a collective (see the barrier in the note)."""
+    dtype_code = _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 255 if dtype is not None else 0
+    return _KINDS.index(kind) | dtype_code << 8 | (src + 1) << 16, numel
+
+
+def _describe(post: tuple) -> str:
+    code, numel = post
+    kind = _KINDS[code & 0xFF] if code & 0xFF < len(_KINDS) else "?"
+    if kind == "barrier":
+        return "barrier"
+    dtype_code = (code >> 8) & 0xFF
+    dtype = str(_DTYPES[dtype_code - 1]).removeprefix("torch.") if 0 < dtype_code <= len(_DTYPES) else "other"
+    src = (code >> 16) - 1
+    return f"{kind} of {numel} {dtype}" + (f" from rank {src}" if src >= 0 else "")
 
 
 def unsupported_reason(world: int) -> Optional[str]:
@@ -124,6 +153,7 @@ class ShmChannel:
     _mm: mmap.mmap
     _data: torch.Tensor  # uint8 [2 halves * world slots * slot_bytes], the shared data area
     _arrivals_view: ctypes.Array  # int64 [world], how many barriers each rank reached
+    _posts_view: ctypes.Array  # int64 [2 * MAX_WORLD * 2], each rank's post per half
     _arrived: int  # how many barriers this rank reached
     _half: int  # the half the next chunk uses
     _peers: list  # pid of each rank, for the liveness check; empty: not checked
@@ -149,6 +179,7 @@ class ShmChannel:
         self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_CONTROL_BYTES)
         # ctypes reads and writes each counter with one aligned 8-byte access: never torn.
         self._arrivals_view = (ctypes.c_int64 * world).from_buffer(self._mm)
+        self._posts_view = (ctypes.c_int64 * (4 * MAX_WORLD)).from_buffer(self._mm, _POSTS_OFFSET)
         ctypes.c_int64.from_buffer(self._mm, _PIDS_OFFSET + 8 * rank).value = os.getpid()
         self._arrived = 0
         self._half = 0
@@ -165,19 +196,19 @@ class ShmChannel:
 
     def barrier(self) -> None:
         self._count("barrier", 0)
-        self._meet()
+        self._meet(_post("barrier", None, 0))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """`out` (contiguous, `world * inp.numel()` elements) gets every rank's `inp` in rank order."""
         n = inp.numel()
         self._count("all_gather", out.numel() * out.element_size())
         step = self.slot_bytes // inp.element_size()
-        src, dst = inp.reshape(-1), out.view(self.world, n)
-        for start in range(0, n, step):
+        src, dst, post = inp.reshape(-1), out.view(self.world, n), _post("all_gather", inp.dtype, n)
+        for start in _chunk_starts(n, step):
             k = min(step, n - start)
             slots = self._slots(inp.dtype)
             slots[self.rank, :k].copy_(src[start : start + k])
-            self._meet()
+            self._meet(post)
             dst[:, start : start + k].copy_(slots[:, :k])
 
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -185,13 +216,13 @@ class ShmChannel:
         n, world = out.numel(), self.world
         self._count("reduce_scatter", out.numel() * out.element_size())
         step = self.slot_bytes // inp.element_size() // world
-        src, dst = inp.reshape(world, n), out.view(-1)
-        for start in range(0, n, step):
+        src, dst, post = inp.reshape(world, n), out.view(-1), _post("reduce_scatter", inp.dtype, n)
+        for start in _chunk_starts(n, step):
             k = min(step, n - start)
             slots = self._slots(inp.dtype)
             # This rank's slot holds its piece for every rank, destination-major: [world, k].
             slots[self.rank, : world * k].view(world, k).copy_(src[:, start : start + k])
-            self._meet()
+            self._meet(post)
             mine = self.rank * k
             self._sum_rows([slots[r, mine : mine + k] for r in range(world)], dst[start : start + k])
 
@@ -200,12 +231,12 @@ class ShmChannel:
         n = tensor.numel()
         self._count("all_reduce", n * tensor.element_size())
         step = self.slot_bytes // tensor.element_size()
-        flat = tensor.view(-1)
-        for start in range(0, n, step):
+        flat, post = tensor.view(-1), _post("all_reduce", tensor.dtype, n)
+        for start in _chunk_starts(n, step):
             k = min(step, n - start)
             slots = self._slots(tensor.dtype)
             slots[self.rank, :k].copy_(flat[start : start + k])
-            self._meet()
+            self._meet(post)
             self._sum_rows([slots[r, :k] for r in range(self.world)], flat[start : start + k])
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
@@ -213,13 +244,13 @@ class ShmChannel:
         n = tensor.numel()
         self._count("broadcast", n * tensor.element_size())
         step = self.slot_bytes // tensor.element_size()
-        flat = tensor.view(-1)
-        for start in range(0, n, step):
+        flat, post = tensor.view(-1), _post("broadcast", tensor.dtype, n, src)
+        for start in _chunk_starts(n, step):
             k = min(step, n - start)
             slots = self._slots(tensor.dtype)
             if self.rank == src:
                 slots[src, :k].copy_(flat[start : start + k])
-            self._meet()
+            self._meet(post)
             if self.rank != src:
                 flat[start : start + k].copy_(slots[src, :k])
 
@@ -249,15 +280,32 @@ class ShmChannel:
         for row in rows[2:]:
             out.add_(row)
 
-    def _meet(self) -> None:
-        """Announce this rank's writes and wait until every rank announced the same count."""
+    def _meet(self, post: tuple) -> None:
+        """Post this chunk's op, announce this rank's writes, wait for every rank, compare posts."""
+        half, posts = self._half, self._posts_view
+        mine = 2 * (half * MAX_WORLD + self.rank)
+        posts[mine], posts[mine + 1] = post
         with self._fence:  # a locked instruction: every store above is visible before the counter's
             self._arrived += 1
         target, arrivals = self._arrived, self._arrivals_view
         arrivals[self.rank] = target
         self._half ^= 1
-        if min(arrivals) >= target:
-            return
+        if min(arrivals) < target:
+            self._wait_for(target)
+        # The posts of this half stay until every rank passed the next barrier (as the data).
+        first = 2 * half * MAX_WORLD
+        everyone = [(posts[first + 2 * r], posts[first + 2 * r + 1]) for r in range(self.world)]
+        if any(other != everyone[0] for other in everyone):
+            self._broken = "the ranks called different collectives: " + ", ".join(
+                f"rank {r}: {_describe(p)}" for r, p in enumerate(everyone)
+            )
+            raise RuntimeError(
+                f"{self._broken} (every rank must make the same collectives in the same order with the same "
+                "sizes; a rank that skipped one, or that took another code path, is the usual cause)"
+            )
+
+    def _wait_for(self, target: int) -> None:
+        arrivals = self._arrivals_view
         waited, started = 0, time.monotonic()
         next_check = started + _LIVENESS_CHECK_S
         while min(arrivals) < target:
@@ -288,6 +336,12 @@ class ShmChannel:
             return
         self._broken = why
         raise RuntimeError(why)
+
+
+def _chunk_starts(n: int, step: int) -> range:
+    """Where each chunk of an `n`-element op starts: at least one, so an empty op still meets
+    (and is compared with the other ranks' ops)."""
+    return range(0, max(n, 1), step)
 
 
 def _alive(pid: int) -> bool:

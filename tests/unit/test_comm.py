@@ -262,6 +262,26 @@ class TestSharedMemoryCollectives(DistributedTest):
             assert facade._shm_channel(plain, t) is None
         assert torch.equal(t, torch.full((2,), float(size)))
 
+    def test_ranks_that_disagree_all_raise_naming_each_ones_op(self):
+        """Sizes that differ (gloo would report a mismatch) or a rank that makes another
+        collective: every rank raises at the same barrier instead of reading the slots wrongly."""
+        rank, size = dist.get_rank(), dist.get_world_size()
+        group = dist.new_group(list(range(size)))
+        n = 8 if rank == 0 else 6
+        with pytest.raises(
+            RuntimeError, match="rank 0: all_gather of 8 float32, rank 1: all_gather of 6 float32"
+        ):
+            dist.all_gather_into_tensor(torch.empty(size * n), torch.ones(n), group=group)
+        with pytest.raises(RuntimeError, match="stopped after an error"):
+            dist.barrier(group=group)  # a group whose ranks fell out of step stays refused
+
+        group = dist.new_group(list(range(size)))
+        with pytest.raises(RuntimeError, match="rank 0: all_reduce of 3 float32, rank 1: barrier"):
+            if rank == 0:
+                dist.all_reduce(torch.ones(3), group=group)
+            else:
+                dist.barrier(group=group)
+
 
 def _lone_channel(timeout_s: float):
     """Rank 0 of a 2-rank channel whose rank 1 never comes."""
