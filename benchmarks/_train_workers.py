@@ -341,19 +341,30 @@ def profile_steps(runner: Runner, steps: int, rank: int, instrument, use_cprofil
     return out
 
 
+def _shm_segments() -> dict:
+    """Our comm's shared-memory segments (`data_ptr -> bytes`; none in other implementations)."""
+    facade = sys.modules.get("deepspeed.comm.comm")
+    segments = getattr(facade, "shm_segments", None)
+    return segments() if segments is not None else {}
+
+
 def _live_storages() -> dict:
-    """`data_ptr -> (nbytes, device type)` of every distinct tensor storage alive (through `gc`)."""
+    """`data_ptr -> (nbytes, device type)` of every distinct tensor storage alive (through `gc`),
+    but for our comm's shared-memory segments: a fixed-size transport buffer per process
+    group, not training state (gloo's and NCCL's own buffers are not tensors, so they are not
+    counted for anyone); `memory_report` gives their size apart."""
     import gc
     import warnings
 
     seen: dict = {}
+    segments = _shm_segments()
     with warnings.catch_warnings():  # isinstance() on some module proxies warns of deprecations
         warnings.simplefilter("ignore")
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for tensor in tensors:
         try:
             storage = tensor.untyped_storage()
-            if storage.device.type != "meta" and storage.nbytes():
+            if storage.device.type != "meta" and storage.nbytes() and storage.data_ptr() not in segments:
                 seen[(storage.device.type, storage.data_ptr())] = (storage.nbytes(), storage.device.type)
         except (RuntimeError, NotImplementedError, TypeError):
             continue  # a wrapper or fake tensor without storage of its own
@@ -443,6 +454,7 @@ def memory_report(distributed: bool) -> dict:
         "live_by_device": live_bytes_by_device(),
         "optimizer_by_device": optimizer_bytes_by_device(),
         "accelerator": _accelerator_name(),
+        "shm_segment_bytes": sum(_shm_segments().values()),
     }
     rows = [local]
     if distributed:

@@ -156,6 +156,8 @@ def _side_by_side_entry(times, cpu, losses, infos, errors, memory, collectives, 
         params=entry["params"],
         live_bytes_by_rank={impl: memory[impl]["state_bytes"] for impl in PEERS if impl in memory},
         peak_rss_bytes_by_rank={impl: memory[impl]["peak_rss_bytes"] for impl in PEERS if impl in memory},
+        # Ours' shared-memory transport buffers, left out of the live bytes (_train_workers).
+        shm_segment_bytes={impl: memory[impl].get("shm_segment_bytes") for impl in PEERS if impl in memory},
         collectives={impl: collectives[impl] for impl in PEERS if impl in collectives},
         error_reasons=entry["error_reasons"],
     )

@@ -289,6 +289,8 @@ def _scaling_one(impls: list, targs, log_dir: Path) -> dict:
         "state_bytes_by_rank": {impl: m["state_bytes"] for impl, m in memory.items()},
         "live_bytes_by_device": {impl: m.get("live_by_device") for impl, m in memory.items()},
         "optimizer_bytes_by_device": {impl: m.get("optimizer_by_device") for impl, m in memory.items()},
+        # Ours' shared-memory transport buffers, left out of the state bytes (_train_workers).
+        "shm_segment_bytes": {impl: m.get("shm_segment_bytes") for impl, m in memory.items()},
         "params": params,
         "timed_steps": entry["timed_steps"],
         "final_loss": losses,

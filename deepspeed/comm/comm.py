@@ -327,6 +327,13 @@ def _drop_stale_channels() -> None:
         del _SHM_CHANNELS[group]
 
 
+def shm_segments() -> dict:
+    """`data_ptr -> bytes` of every shared-memory segment this process maps (a fixed-size
+    transport buffer per group, like a backend's own buffers; benchmarks report it apart)."""
+    storages = [c.segment.untyped_storage() for c in _SHM_CHANNELS.values() if c is not None]
+    return {s.data_ptr(): s.nbytes() for s in storages}
+
+
 def shm_counts() -> dict:
     """Collectives run through shared memory so far, by kind: `{kind: [calls, output bytes]}`."""
     total: dict = {}
@@ -435,6 +442,41 @@ def all_gather_into_tensor(
     if not async_op:
         handle.wait()
     return handle
+
+
+def completes_on_issue(group: Optional[ProcessGroup], tensor: torch.Tensor) -> bool:
+    """Whether a collective of `tensor` on `group` is finished when its call returns (shared
+    memory), so issuing it early overlaps nothing and it may write straight to final places."""
+    return _shm_channel(group, tensor) is not None
+
+
+def all_gather_into_columns(
+    outputs: list,
+    sizes: list,
+    input_tensor: torch.Tensor,
+    group: Optional[ProcessGroup] = None,
+    scratch: Optional[torch.Tensor] = None,
+) -> None:
+    """One all-gather whose rank-major result `[world, n]` is split by columns into `outputs`.
+
+    `outputs[i]` is `[world, sizes[i]]` (any strides) and the sizes sum to `n =
+    input_tensor.numel()`: row r of `outputs[i]` gets rank r's `input_tensor[offset_i :
+    offset_i + sizes[i]]`. Through shared memory the columns go straight from the slots to
+    `outputs`; otherwise through an all-gather into `scratch` (1D, at least `world * n`
+    elements: the caller's reused memory) or, without one, a fresh buffer.
+    """
+    world, n = get_world_size(group), input_tensor.numel()
+    if sum(sizes) != n or len(sizes) != len(outputs):
+        raise ValueError(f"all_gather_into_columns: sizes {sizes} do not split the input's {n} elements")
+    channel = _shm_channel(group, input_tensor)
+    if channel is not None:
+        channel.all_gather_columns(outputs, sizes, input_tensor)
+        return
+    if scratch is None:
+        scratch = torch.empty(world * n, dtype=input_tensor.dtype, device=input_tensor.device)
+    gathered = scratch.view(-1)[: world * n]
+    all_gather_into_tensor(gathered, input_tensor, group=group)
+    torch.split_with_sizes_copy(gathered.view(world, n), sizes, dim=1, out=outputs)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -51,7 +51,7 @@ from typing import Optional
 import torch
 
 ENV = "DEEPSPEED_SHM_COMM"  # "0": every collective goes through the process group's backend
-SLOT_BYTES = 4 << 20  # one rank's share of one chunk (new channels read it when made)
+SLOT_BYTES = 2 << 20  # one rank's share of one chunk (new channels read it when made)
 MAX_WORLD = 128  # ranks a control page holds (counters, pids, token)
 _CONTROL_BYTES = 8192
 _PIDS_OFFSET = 8 * MAX_WORLD
@@ -188,6 +188,11 @@ class ShmChannel:
         self._broken = None
         self._fence = threading.Lock()
 
+    @property
+    def segment(self) -> torch.Tensor:
+        """The shared data area (uint8): its storage is this channel's whole buffer."""
+        return self._data
+
     def check_liveness_of(self, pids: list) -> None:
         """Name the ranks' pids, so a wait notices a peer that exited (same pid namespace only)."""
         self._peers = list(pids)
@@ -210,6 +215,33 @@ class ShmChannel:
             slots[self.rank, :k].copy_(src[start : start + k])
             self._meet(post)
             dst[:, start : start + k].copy_(slots[:, :k])
+
+    def all_gather_columns(self, outputs: list, sizes: list, inp: torch.Tensor) -> None:
+        """An all-gather whose `[world, n]` rank-major result is split by columns into
+        `outputs` (`[world, sizes[i]]` each, sizes summing to n), straight from the slots."""
+        n = inp.numel()
+        self._count("all_gather", self.world * n * inp.element_size())
+        step = self.slot_bytes // inp.element_size()
+        src, post = inp.reshape(-1), _post("all_gather", inp.dtype, n)
+        bounds, offset = [], 0  # each output's [first, end) column
+        for size in sizes:
+            bounds.append((offset, offset + size))
+            offset += size
+        for start in _chunk_starts(n, step):
+            k = min(step, n - start)
+            slots = self._slots(inp.dtype)
+            slots[self.rank, :k].copy_(src[start : start + k])
+            self._meet(post)
+            if k == n:
+                torch.split_with_sizes_copy(slots[:, :k], sizes, dim=1, out=outputs)
+                continue
+            pieces, dests = [], []  # the outputs' columns that fall in this chunk
+            for (first, end), out in zip(bounds, outputs):
+                lo, hi = max(first, start), min(end, start + k)
+                if lo < hi:
+                    pieces.append(hi - lo)
+                    dests.append(out[:, lo - first : hi - first])
+            torch.split_with_sizes_copy(slots[:, :k], pieces, dim=1, out=dests)
 
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """`out` (n elements) gets the sum over ranks of slice `rank` of `inp` (`world * n`)."""

@@ -1,5 +1,6 @@
 """The comm facade on real spawned process groups (gloo on CPU), and the harness's failure paths."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -233,6 +234,32 @@ class TestSharedMemoryCollectives(DistributedTest):
             "broadcast": len(cases),
             "barrier": 1,
         }, calls
+
+    def test_all_gather_into_columns_on_both_paths(self):
+        """Each output gets its column block of the rank-major result, whether the columns go
+        straight from the slots (across chunk boundaries, into strided views) or through gloo."""
+        from deepspeed.comm import comm as facade
+        from deepspeed.comm import shm
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        with mock.patch.object(shm, "SLOT_BYTES", 256):  # 64 fp32 per chunk: outputs straddle chunks
+            group = dist.new_group(list(range(size)))
+            assert facade.completes_on_issue(group, torch.zeros(1))
+        sizes = [1, 70, 5, 64, 3]
+        everyone = [_values(r, sum(sizes), torch.float32) for r in range(size)]
+        expected = list(torch.cat(everyone).view(size, -1).split(sizes, dim=1))
+        for path in ("shm", "gloo"):
+            with gloo_only() if path == "gloo" else contextlib.nullcontext():
+                wide = torch.full((size, 200), -1.0)  # one output is a strided view of a wider tensor
+                outputs = [torch.full((size, n), -1.0) for n in sizes]
+                outputs[3] = wide[:, 10:74]
+                scratch = None if path == "shm" else torch.empty(size * sum(sizes) + 3)
+                facade.all_gather_into_columns(outputs, sizes, everyone[rank], group=group, scratch=scratch)
+                for got, want in zip(outputs, expected):
+                    assert torch.equal(got, want), path
+                assert (wide[:, :10] == -1).all() and (wide[:, 74:] == -1).all(), path
+        with pytest.raises(ValueError, match="do not split the input"):
+            facade.all_gather_into_columns(outputs, [1, 2], everyone[rank], group=group)
 
     def test_subgroups_gloo_in_flight_and_switching_off(self):
         """A subgroup's broadcast takes a global source rank; an asynchronous gloo collective

@@ -410,15 +410,18 @@ class TestPrefetch(DistributedTest):
         assert with_tiny_bucket == no_prefetch
         assert tiny.coordinator.prefetcher.prefetched > 0 and tiny.coordinator.prefetcher.held == {}
 
-        # with a trace, a step waits on far fewer synchronous gathers
+        # with a trace, a step waits on far fewer synchronous gathers (issued with inflight=False;
+        # counted where gathers are issued, whichever collective then moves the bytes)
+        from deepspeed.runtime.zero import gather
+
         waits = []
-        original = deepspeed.comm.all_gather_into_tensor
+        original = gather._GatherBucket.issue
 
-        def counting(out, inp, group=None, async_op=False):
-            waits.append(async_op)
-            return original(out, inp, group=group, async_op=async_op)
+        def counting(bucket, device, inflight=True):
+            waits.append(inflight)
+            return original(bucket, device, inflight)
 
-        monkeypatch.setattr(deepspeed.comm, "all_gather_into_tensor", counting)
+        monkeypatch.setattr(gather._GatherBucket, "issue", counting)
         ids, labels = data[0]
         engine.backward(engine(my_slice(ids), my_slice(labels)))
         engine.step()
@@ -430,12 +433,14 @@ class TestReuseDistance(DistributedTest):
 
     def test_reused_parameters_stay_gathered(self, monkeypatch):
         data = batches(3, seed=6)
-        gathered = []
-        original = deepspeed.comm.all_gather_into_tensor
+        from deepspeed.runtime.zero import gather
 
-        def counting(out, inp, group=None, async_op=False):
-            gathered.append(out.numel())
-            return original(out, inp, group=group, async_op=async_op)
+        gathered = []
+        original = gather._GatherBucket.issue
+
+        def counting(bucket, device, inflight=True):
+            gathered.append(sum(s.world_size * s.partition_size for s in bucket.states))
+            return original(bucket, device, inflight)
 
         results = {}
         for reuse in (0, 10**9):
@@ -447,7 +452,7 @@ class TestReuseDistance(DistributedTest):
                 "stage3_max_reuse_distance": reuse,
             }
             engine, losses = engine_run(data[:2], zero_optimization=zero)
-            monkeypatch.setattr(deepspeed.comm, "all_gather_into_tensor", counting)
+            monkeypatch.setattr(gather._GatherBucket, "issue", counting)
             gathered.clear()
             ids, labels = data[2]
             engine.backward(engine(my_slice(ids), my_slice(labels)))

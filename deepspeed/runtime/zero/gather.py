@@ -84,7 +84,7 @@ def _adjacent_end(states: list) -> int:
     shard is a view of, so this needs no tensor call per shard.
     """
     first = states[0]
-    base = getattr(first, "shard_base", None)  # stages 1 and 2 pass states that record none
+    base = getattr(first, "shard_base", None)
     if base is None:
         return -1
     end = first.shard_offset
@@ -305,6 +305,7 @@ class _GatherBucket:
         self.flat_out = None
         self._work = None
         self._single: Optional[_FullBuffer] = None  # one parameter: gathered straight into its buffer
+        self._filled: Optional[list] = None  # the _FullBuffers a gather that completed on issue filled
         self._one_run = False  # whether the states' shards lie back to back in one flat buffer
         self._expected = ZeroParamStatus.INFLIGHT  # the states' status until wait() installs them
         self.done = False
@@ -315,13 +316,24 @@ class _GatherBucket:
         end = _adjacent_end(states)
         self._one_run = end >= 0  # one module's shards: one full buffer
         flat_in = _flat_input(states, device, end)
+        group = states[0].group
         if len(states) == 1:
             # The output is the parameter's full tensor: no copy out.
             self._single = FULLS.take(states, flat_in.dtype, device)
             self.flat_out = self._single.flat
+            self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=group, async_op=True)
+        elif dist.completes_on_issue(group, flat_in):
+            # Shared memory: the gather is over when the call returns, so nothing overlaps it
+            # and each parameter's columns go straight into its full tensor, with no
+            # rank-major buffer between (one copy instead of two).
+            self._filled = _full_buffers(states, self._one_run, flat_in.dtype, device)
+            dests = [d for fb in self._filled for d in fb.dests]
+            sizes = [n for fb in self._filled for n in fb.sizes]
+            dist.all_gather_into_columns(dests, sizes, flat_in, group=group)
+            self._work = dist.CommHandle()
         else:
             self.flat_out = SCRATCH.take(states[0].world_size * flat_in.shape[0], flat_in.dtype, device)
-        self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=states[0].group, async_op=True)
+            self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=group, async_op=True)
         self._expected = ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
         if inflight:
             all_to_inflight(states, self)
@@ -333,6 +345,8 @@ class _GatherBucket:
         self._work = None  # its tensors would count as holders of the buffers (see _FullPool)
         if self._single is not None:
             buffers = [self._single]
+        elif self._filled is not None:
+            buffers, self._filled = self._filled, None
         else:
             buffers = _copy_out(self.flat_out, self.states, self._one_run)
             SCRATCH.give_back(self.flat_out)
@@ -351,17 +365,19 @@ class _GatherBucket:
         self.done = True
 
 
-def _copy_out(flat_out: torch.Tensor, states: list, one_run: bool) -> list:
-    """One `_FullBuffer` per run of `states`, filled from their rank-major all-gather output in one copy."""
-    device, dtype, world = flat_out.device, flat_out.dtype, states[0].world_size
+def _full_buffers(states: list, one_run: bool, dtype: torch.dtype, device: torch.device) -> list:
+    """One `_FullBuffer` per run of `states` (sorted by ds_id), to hold their full tensors."""
     if one_run:
-        fb = FULLS.take(states, dtype, device)
-        torch.split_with_sizes_copy(flat_out.view(world, -1), fb.sizes, dim=1, out=fb.dests)
-        return [fb]
-    buffers = [FULLS.take(run, dtype, device) for run in _runs(states)]
+        return [FULLS.take(states, dtype, device)]
+    return [FULLS.take(run, dtype, device) for run in _runs(states)]
+
+
+def _copy_out(flat_out: torch.Tensor, states: list, one_run: bool) -> list:
+    """`_full_buffers` of `states`, filled from their rank-major all-gather output in one copy."""
+    buffers = _full_buffers(states, one_run, flat_out.dtype, flat_out.device)
     dests = [d for fb in buffers for d in fb.dests]
     sizes = [n for fb in buffers for n in fb.sizes]
-    torch.split_with_sizes_copy(flat_out.view(world, -1), sizes, dim=1, out=dests)
+    torch.split_with_sizes_copy(flat_out.view(states[0].world_size, -1), sizes, dim=1, out=dests)
     return buffers
 
 
@@ -402,11 +418,12 @@ def gather_into_params(states: list, bucket_elems: int = 0) -> None:
     refresh of what stays gathered.
 
     One collective per (group, dtype) bucket, closed once it holds `bucket_elems` gathered
-    elements (`allgather_bucket_size`; 0: no limit), so the temporary output stays bounded. The
-    output is rank-major (`[rank 0: p0 slice, p1 slice, ...][rank 1: ...]`); one fused copy
-    moves each parameter's column block straight into its storage, which is
-    `[world, partition_size]` when it has no padding. A padded parameter's block goes
-    through a small buffer first, since its last rank's slice runs past its end.
+    elements (`allgather_bucket_size`; 0: no limit), so the temporary output stays bounded.
+    The input is the bucket's shards back to back (a view of their flat buffer when they lie
+    so); `dist.all_gather_into_columns` moves each parameter's column block of the
+    rank-major result straight into its storage, which is `[world, partition_size]` when it
+    has no padding. A padded parameter's block goes through a small buffer first, since its
+    last rank's slice runs past its end.
     """
     by_key: dict = {}
     for s in states:
@@ -421,32 +438,36 @@ def gather_into_params(states: list, bucket_elems: int = 0) -> None:
                 chunk, elems = [], 0
         if chunk:
             buckets.append(chunk)
-        # One output buffer serves every bucket in turn (each completes before the next): a
-        # fresh multi-MB buffer per bucket costs page faults on the CPU.
+        # One temporary buffer serves every bucket in turn where the collective needs one
+        # (each completes before the next): a fresh multi-MB buffer per bucket costs page
+        # faults on the CPU.
         first, device = same[0], _compute_device()
-        capacity = max(sum(s.partition_size for s in b) for b in buckets) * first.world_size
-        out = torch.empty(capacity, dtype=first.shard.dtype, device=device)
+        scratch = None
+        if not dist.completes_on_issue(first.group, first.shard):
+            capacity = max(sum(s.partition_size for s in b) for b in buckets) * first.world_size
+            scratch = torch.empty(capacity, dtype=first.shard.dtype, device=device)
         for bucket in buckets:
-            _gather_bucket(bucket, out)
+            _gather_bucket(bucket, device, scratch)
 
 
 @torch.no_grad()
-def _gather_bucket(states: list, out: torch.Tensor) -> None:
+def _gather_bucket(states: list, device: torch.device, scratch: Optional[torch.Tensor]) -> None:
     first = states[0]
     world, sizes = first.world_size, [s.partition_size for s in states]
-    rows = out[: world * sum(sizes)].view(world, sum(sizes))
-    torch.cat([s.shard.to(out.device, non_blocking=True) for s in states], out=rows[first.rank])
-    dist.all_gather_into_tensor(rows.view(-1), rows[first.rank], group=first.group)
-    padded = [s for s in states if not _storage_is_rows(s)]
-    scratch = {
-        id(s): torch.empty(world, s.partition_size, dtype=rows.dtype, device=out.device) for s in padded
+    flat_in = _flat_input(states, device)
+    padded = {
+        id(s): torch.empty(world, s.partition_size, dtype=flat_in.dtype, device=device)
+        for s in states
+        if not _storage_is_rows(s)
     }
+    targets = [padded.get(id(s), None) for s in states]
     targets = [
-        scratch[id(s)] if id(s) in scratch else s.param.data.view(world, s.partition_size) for s in states
+        t if t is not None else s.param.data.view(world, s.partition_size) for t, s in zip(targets, states)
     ]
-    torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)
-    for s in padded:
-        s.param.data.copy_(scratch[id(s)].view(-1)[: s.numel].view(s.shape))
+    dist.all_gather_into_columns(targets, sizes, flat_in, group=first.group, scratch=scratch)
+    for s in states:
+        if id(s) in padded:
+            s.param.data.copy_(padded[id(s)].view(-1)[: s.numel].view(s.shape))
 
 
 def _storage_is_rows(state: Any) -> bool:

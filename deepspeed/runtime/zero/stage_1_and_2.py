@@ -42,12 +42,16 @@ class ReplicatedShard:
     partition_size: int  # elements per rank, padding included
     padding: int
     shard: torch.Tensor  # 1D [partition_size], the parameter's dtype; a view into a flat buffer
+    shard_base: torch.Tensor  # that flat buffer (one per dtype and device, in parameter order)
+    shard_offset: int  # where `shard` starts in it: adjacent shards gather from one view
     shard_version: int  # stage-3 compatibility: edits never land in a replicated shard
     # A replicated parameter is always whole, so code written for stage-3 states (refreshing
     # whatever is gathered after its shard changed) treats it as gathered.
     status = ZeroParamStatus.AVAILABLE
 
-    def __init__(self, param: nn.Parameter, ds_id: int, group: Any, shard_out: torch.Tensor) -> None:
+    def __init__(
+        self, param: nn.Parameter, ds_id: int, group: Any, shard_out: torch.Tensor, base: torch.Tensor
+    ) -> None:
         self.param = param
         self.ds_id = ds_id
         self.shape = param.shape
@@ -57,6 +61,8 @@ class ReplicatedShard:
         self.rank = dist.get_rank(group)
         self.partition_size, self.padding = shard_sizes(self.numel, self.world_size)
         self.shard = shard_out
+        self.shard_base = base
+        self.shard_offset = shard_out.storage_offset() - base.storage_offset()
         self.shard_version = 0
         self.copy_from_param()
 
@@ -88,7 +94,7 @@ def make_replicated_shards(module: nn.Module, group: Any = None) -> dict:
         sizes = [shard_sizes(p.numel(), world)[0] for _, p in members]
         flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
         for (index, p), view in zip(members, torch.split(flat, sizes)):
-            shards[id(p)] = ReplicatedShard(p, index, group, view)
+            shards[id(p)] = ReplicatedShard(p, index, group, view, flat)
     return shards
 
 
