@@ -30,6 +30,7 @@ from deepspeed.comm.comm import (
     monitored_barrier,
     new_group,
     reduce,
+    reduce_scatter_columns,
     reduce_scatter_tensor,
 )
 
@@ -63,5 +64,6 @@ __all__ = [
     "monitored_barrier",
     "new_group",
     "reduce",
+    "reduce_scatter_columns",
     "reduce_scatter_tensor",
 ]

@@ -479,6 +479,34 @@ def all_gather_into_columns(
     torch.split_with_sizes_copy(gathered.view(world, n), sizes, dim=1, out=outputs)
 
 
+def reduce_scatter_columns(
+    output_tensor: torch.Tensor,
+    blocks: list,
+    group: Optional[ProcessGroup] = None,
+    prescale: float = 1.0,
+) -> None:
+    """`reduce_scatter_tensor` (a sum) of the input that `blocks` form side by side, for a
+    group whose collectives complete on issue (see `completes_on_issue`).
+
+    `blocks[i]` is `[world, n_i]` (row r: what goes to rank r), `output_tensor` has `sum(n_i)`
+    elements, and each rank's contribution is multiplied by `prescale` before the sum. The
+    blocks go straight into this rank's shared-memory slot, with no send buffer.
+    """
+    sizes = [b.shape[1] for b in blocks]
+    if sum(sizes) != output_tensor.numel() or any(b.shape[0] != get_world_size(group) for b in blocks):
+        raise ValueError(
+            f"reduce_scatter_columns: blocks of shapes {[tuple(b.shape) for b in blocks]} do not form the "
+            f"[{get_world_size(group)}, {output_tensor.numel()}] input"
+        )
+    channel = _shm_channel(group, output_tensor)
+    if channel is None:
+        raise RuntimeError(
+            "reduce_scatter_columns: this group's collectives do not complete on issue; "
+            "pack the blocks and call reduce_scatter_tensor"
+        )
+    channel.reduce_scatter_columns(output_tensor, blocks, sizes, prescale)
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and `b` share memory (an in-place collective: the input is a slice of the output)."""
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():

@@ -262,6 +262,34 @@ class ShmChannel:
             mine = self.rank * k
             self._sum_rows([slots[r, mine : mine + k] for r in range(world)], dst[start : start + k])
 
+    def reduce_scatter_columns(self, out: torch.Tensor, blocks: list, sizes: list, prescale: float) -> None:
+        """`reduce_scatter_sum` of the `[world, n]` input that `blocks` (`[world, sizes[i]]`
+        each) form side by side, packed straight into this rank's slot and multiplied there by
+        `prescale` before the sum (no send buffer)."""
+        n, world = out.numel(), self.world
+        self._count("reduce_scatter", n * out.element_size())
+        step = self.slot_bytes // out.element_size() // world
+        dst, post = out.view(-1), _post("reduce_scatter", out.dtype, n)
+        bounds, offset = [], 0  # each block's [first, end) column
+        for size in sizes:
+            bounds.append((offset, offset + size))
+            offset += size
+        for start in _chunk_starts(n, step):
+            k = min(step, n - start)
+            slots = self._slots(out.dtype)
+            mine = slots[self.rank, : world * k].view(world, k)  # destination-major, as above
+            pieces = [
+                block[:, max(first, start) - first : min(end, start + k) - first]
+                for (first, end), block in zip(bounds, blocks)
+                if max(first, start) < min(end, start + k)
+            ]
+            torch.cat(pieces, dim=1, out=mine)
+            if prescale != 1.0:
+                mine.mul_(prescale)
+            self._meet(post)
+            at = self.rank * k
+            self._sum_rows([slots[r, at : at + k] for r in range(world)], dst[start : start + k])
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """`tensor` (contiguous) becomes the sum over ranks, the same bits on every rank."""
         n = tensor.numel()

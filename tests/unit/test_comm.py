@@ -261,6 +261,33 @@ class TestSharedMemoryCollectives(DistributedTest):
         with pytest.raises(ValueError, match="do not split the input"):
             facade.all_gather_into_columns(outputs, [1, 2], everyone[rank], group=group)
 
+    def test_reduce_scatter_columns_packs_blocks_into_the_slot(self):
+        """The blocks' columns, across chunk boundaries and as strided views, reduce to what
+        reduce_scatter_tensor gives for their concatenation, prescaled before the sum."""
+        from deepspeed.comm import comm as facade
+        from deepspeed.comm import shm
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        with mock.patch.object(shm, "SLOT_BYTES", 256):
+            group = dist.new_group(list(range(size)))
+        sizes = [1, 40, 5, 33]
+        n = sum(sizes)
+        contribs = [_values(r, size * n, torch.float32) for r in range(size)]
+        expected = (contribs[0].view(size, n)[rank] * 0.25).clone()
+        for c in contribs[1:]:
+            expected += c.view(size, n)[rank] * 0.25  # each rank scales first, then the rank-order sum
+        wide = torch.zeros(size, 100)
+        blocks = list(contribs[rank].view(size, n).split(sizes, dim=1))
+        wide[:, 7:47] = blocks[1]
+        blocks[1] = wide[:, 7:47]  # a strided view
+        out = torch.empty(n)
+        facade.reduce_scatter_columns(out, blocks, group=group, prescale=0.25)
+        assert torch.equal(out, expected)
+        with pytest.raises(ValueError, match="do not form"):
+            facade.reduce_scatter_columns(torch.empty(n + 1), blocks, group=group)
+        with gloo_only(), pytest.raises(RuntimeError, match="do not complete on issue"):
+            facade.reduce_scatter_columns(out, blocks, group=group)
+
     def test_subgroups_gloo_in_flight_and_switching_off(self):
         """A subgroup's broadcast takes a global source rank; an asynchronous gloo collective
         in flight meanwhile is undisturbed; DEEPSPEED_SHM_COMM=0 keeps a new group on gloo."""

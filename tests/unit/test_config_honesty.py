@@ -406,6 +406,18 @@ class TestActedOnKeys(DistributedTest):
                 torch.testing.assert_close(scaled[name], p, rtol=1e-6, atol=1e-7, msg=f"{extra} {name}")
 
     def test_overlap_comm_is_async_and_equal_to_sync(self, monkeypatch):
+        """On gloo's own path (overlap is moot through shared memory, checked below)."""
+        from deepspeed.comm import comm as facade
+
+        shm_results = {}
+        for overlap in (False, True):
+            engine, shm_results[overlap] = _train({}, {"overlap_comm": overlap})
+            on_shm = facade.completes_on_issue(None, torch.zeros(1))
+            assert on_shm == (dist.get_world_size() > 1)  # a group of one has no channel
+            assert engine.reducer.reduce_calls > 0 and (engine.reducer.async_calls == 0 or not on_shm)
+        for name, p in shm_results[False].items():
+            assert torch.equal(shm_results[True][name], p), name
+        monkeypatch.setattr(facade, "_shm_channel", lambda group, *tensors: None)
         calls = []
         original = dist.reduce_scatter_tensor
 
@@ -422,6 +434,8 @@ class TestActedOnKeys(DistributedTest):
         assert not async_engine.reducer._in_flight  # flush() waited on everything
         for name, p in sync_params.items():
             assert torch.equal(async_params[name], p), name
+            # the same sums in the same order through either transport
+            assert torch.equal(shm_results[False][name], p), name
 
     def test_model_persistence_threshold_caps_persistent_elements(self):
         caps = {}

@@ -215,14 +215,19 @@ class TestEngineFeatures(DistributedTest):
         assert not optimizer.overflow and optimizer.loss_scale == scale  # grew back after the window
 
     def test_one_reduce_scatter_per_bucket(self, monkeypatch):
-        calls = []
-        original = deepspeed.comm.reduce_scatter_tensor
+        calls = []  # elements sent per reduce-scatter, packed (gloo) or as blocks (shared memory)
+        packed, blocks = deepspeed.comm.reduce_scatter_tensor, deepspeed.comm.reduce_scatter_columns
 
-        def counting(*args, **kwargs):
+        def counting_packed(*args, **kwargs):
             calls.append(args[1].numel())
-            return original(*args, **kwargs)
+            return packed(*args, **kwargs)
 
-        monkeypatch.setattr(deepspeed.comm, "reduce_scatter_tensor", counting)
+        def counting_blocks(output, parts, **kwargs):
+            calls.append(sum(p.numel() for p in parts))
+            return blocks(output, parts, **kwargs)
+
+        monkeypatch.setattr(deepspeed.comm, "reduce_scatter_tensor", counting_packed)
+        monkeypatch.setattr(deepspeed.comm, "reduce_scatter_columns", counting_blocks)
         ids, labels = batches(1)[0]
         for bucket, expect_one in ((10**9, True), (300, False)):
             cfg = config(

@@ -17,7 +17,9 @@ issued asynchronously and backward goes on computing while it runs; its result i
 the gradient shards when it is waited on. At most `MAX_IN_FLIGHT` buckets are in flight (a
 new one first completes the oldest), so the extra memory is one more bucket's buffers, and
 `flush()` waits on everything, in issue order, so shards accumulate in the same order as the
-synchronous path and the results are bitwise equal.
+synchronous path and the results are bitwise equal. On a group whose collectives complete on
+issue (shared memory, comm/shm.py) there is nothing to overlap: each bucket is packed straight
+into this rank's slot and reduced at once, whatever `overlap_comm` says.
 
 [Note: gradient scaling around the reduction]
 Upstream's ``prescale_gradients`` and ``gradient_predivide_factor``: with prescaling, each
@@ -137,19 +139,31 @@ class GradientReducer:
         dtype = key[1]
         states = [state for state, _ in items]
         world, total = states[0].world_size, sum(s.partition_size for s in states)
-        send_base = self._buffer(world * total, dtype, items[0][1].device)
-        send = send_base[: world * total].view(world, total)
-        # One fused copy packs every gradient's rank-major column block (a padded gradient is
-        # padded with zeros first: its last rank's slice runs past its end).
+        # Each gradient's rank-major column block (a padded gradient is padded with zeros
+        # first: its last rank's slice runs past its end).
         blocks = []
         for state, grad in items:
             flat = grad.reshape(-1).to(dtype)
             if state.padding:
                 flat = F.pad(flat, (0, state.padding))
             blocks.append(flat.view(world, state.partition_size))
-        torch.cat(blocks, dim=1, out=send)
-        del items, grad, flat, blocks  # the full gradients are packed: free them before the collective
+        del items, grad, flat
         before, _ = self._scales(world)
+        group = states[0].group
+        if dist.completes_on_issue(group, blocks[0]):
+            # Shared memory: the reduction is over when the call returns, so there is nothing
+            # to overlap, and the blocks go straight into this rank's slot: no send buffer
+            # (whose fresh pages cost as much as the copy on the CPU).
+            received = torch.empty(total, dtype=dtype, device=blocks[0].device)
+            dist.reduce_scatter_columns(received, blocks, group=group, prescale=before)
+            del blocks
+            self.reduce_calls += 1
+            self._complete(_InFlight(dist.CommHandle(), (), received, states, world))
+            return
+        send_base = self._buffer(world * total, dtype, blocks[0].device)
+        send = send_base[: world * total].view(world, total)
+        torch.cat(blocks, dim=1, out=send)  # one fused copy packs every block
+        del blocks  # the full gradients are packed: free them before the collective
         if before != 1.0:
             send.mul_(before)
         received = torch.empty(total, dtype=dtype, device=send.device)
@@ -158,12 +172,12 @@ class GradientReducer:
                 self._complete(self._in_flight.pop(0))
         # gloo receives every rank's slices before summing them ([Note: reduce-scatter on gloo]);
         # nccl reduces in place and needs no scratch.
-        on_gloo = dist.get_backend(states[0].group) == "gloo"
+        on_gloo = dist.get_backend(group) == "gloo"
         scratch = self._buffer(world * total, dtype, send.device) if on_gloo else None
         handle = dist.reduce_scatter_tensor(
             received,
             send.view(-1),
-            group=states[0].group,
+            group=group,
             async_op=self.overlap_comm,
             input_reusable=True,
             scratch=scratch,
