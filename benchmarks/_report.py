@@ -372,7 +372,7 @@ def markdown(report: dict) -> str:
         ("agreement", "Rank-agreement checks, on vs off (2 ranks)", agreement_table),
         (
             "train_step",
-            "Collectives in one train step on gloo (decoder fp32, rank 0)",
+            "Collectives in one train step, gloo or shared memory (decoder fp32, rank 0)",
             lambda t: collectives_table(t["cases"].get("decoder_fp32") or {}),
         ),
         ("gpt2_small", "GPT-2 small (fp32), 2 ranks side by side, alternating rounds", gpt2_table),
