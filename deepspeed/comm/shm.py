@@ -46,6 +46,7 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -209,15 +210,9 @@ class ShmChannel:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """`out` (contiguous, `world * inp.numel()` elements) gets every rank's `inp` in rank order."""
-        n = inp.numel()
         self._count("all_gather", out.numel() * out.element_size())
-        step = self.slot_bytes // inp.element_size()
-        src, dst, post = inp.reshape(-1), out.view(self.world, n), _post("all_gather", inp.dtype, n)
-        for start in _chunk_starts(n, step):
-            k = min(step, n - start)
-            slots = self._slots(inp.dtype)
-            slots[self.rank, :k].copy_(src[start : start + k])
-            self._meet(post)
+        dst = out.view(self.world, inp.numel())
+        for start, k, slots in self._rounds("all_gather", inp.reshape(-1)):
             dst[:, start : start + k].copy_(slots[:, :k])
 
     def all_gather_columns(self, outputs: list, sizes: list, inp: torch.Tensor) -> None:
@@ -225,27 +220,9 @@ class ShmChannel:
         `outputs` (`[world, sizes[i]]` each, sizes summing to n), straight from the slots."""
         n = inp.numel()
         self._count("all_gather", self.world * n * inp.element_size())
-        step = self.slot_bytes // inp.element_size()
-        src, post = inp.reshape(-1), _post("all_gather", inp.dtype, n)
-        bounds, offset = [], 0  # each output's [first, end) column
-        for size in sizes:
-            bounds.append((offset, offset + size))
-            offset += size
-        for start in _chunk_starts(n, step):
-            k = min(step, n - start)
-            slots = self._slots(inp.dtype)
-            slots[self.rank, :k].copy_(src[start : start + k])
-            self._meet(post)
-            if k == n:
-                torch.split_with_sizes_copy(slots[:, :k], sizes, dim=1, out=outputs)
-                continue
-            pieces, dests = [], []  # the outputs' columns that fall in this chunk
-            for (first, end), out in zip(bounds, outputs):
-                lo, hi = max(first, start), min(end, start + k)
-                if lo < hi:
-                    pieces.append(hi - lo)
-                    dests.append(out[:, lo - first : hi - first])
-            torch.split_with_sizes_copy(slots[:, :k], pieces, dim=1, out=dests)
+        for start, k, slots in self._rounds("all_gather", inp.reshape(-1)):
+            dests = outputs if k == n else _column_views(outputs, sizes, start, k)
+            torch.split_with_sizes_copy(slots[:, :k], [d.shape[1] for d in dests], dim=1, out=dests)
 
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """`out` (n elements) gets the sum over ranks of slice `rank` of `inp` (`world * n`)."""
@@ -270,20 +247,11 @@ class ShmChannel:
         self._count("reduce_scatter", n * out.element_size())
         step = self.slot_bytes // out.element_size() // world
         dst, post = out.view(-1), _post("reduce_scatter", out.dtype, n)
-        bounds, offset = [], 0  # each block's [first, end) column
-        for size in sizes:
-            bounds.append((offset, offset + size))
-            offset += size
         for start in _chunk_starts(n, step):
             k = min(step, n - start)
             slots = self._slots(out.dtype)
             mine = slots[self.rank, : world * k].view(world, k)  # destination-major, as above
-            pieces = [
-                block[:, max(first, start) - first : min(end, start + k) - first]
-                for (first, end), block in zip(bounds, blocks)
-                if max(first, start) < min(end, start + k)
-            ]
-            torch.cat(pieces, dim=1, out=mine)
+            torch.cat(blocks if k == n else _column_views(blocks, sizes, start, k), dim=1, out=mine)
             if prescale != 1.0:
                 mine.mul_(prescale)
             self._meet(post)
@@ -292,33 +260,35 @@ class ShmChannel:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """`tensor` (contiguous) becomes the sum over ranks, the same bits on every rank."""
-        n = tensor.numel()
-        self._count("all_reduce", n * tensor.element_size())
-        step = self.slot_bytes // tensor.element_size()
-        flat, post = tensor.view(-1), _post("all_reduce", tensor.dtype, n)
-        for start in _chunk_starts(n, step):
-            k = min(step, n - start)
-            slots = self._slots(tensor.dtype)
-            slots[self.rank, :k].copy_(flat[start : start + k])
-            self._meet(post)
+        self._count("all_reduce", tensor.numel() * tensor.element_size())
+        flat = tensor.view(-1)
+        for start, k, slots in self._rounds("all_reduce", flat):
             self._sum_rows([slots[r, :k] for r in range(self.world)], flat[start : start + k])
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """`tensor` (contiguous) on every rank becomes group rank `src`'s."""
-        n = tensor.numel()
-        self._count("broadcast", n * tensor.element_size())
-        step = self.slot_bytes // tensor.element_size()
-        flat, post = tensor.view(-1), _post("broadcast", tensor.dtype, n, src)
-        for start in _chunk_starts(n, step):
-            k = min(step, n - start)
-            slots = self._slots(tensor.dtype)
-            if self.rank == src:
-                slots[src, :k].copy_(flat[start : start + k])
-            self._meet(post)
+        self._count("broadcast", tensor.numel() * tensor.element_size())
+        flat = tensor.view(-1)
+        for start, k, slots in self._rounds("broadcast", flat, src):
             if self.rank != src:
                 flat[start : start + k].copy_(slots[src, :k])
 
     # ------------------------------------------------------------------ internals
+
+    def _rounds(self, kind: str, flat: torch.Tensor, src: int = -1) -> Iterator[tuple]:
+        """The chunks of a collective whose rank contributes the 1D `flat`: for each, this rank
+        copies its part into its slot (only rank `src`, for a broadcast), all ranks meet, and
+        `(start, k, slots)` is yielded for the caller to read the chunk `[start, start + k)`."""
+        n = flat.numel()
+        step = self.slot_bytes // flat.element_size()
+        post = _post(kind, flat.dtype, n, src)
+        for start in _chunk_starts(n, step):
+            k = min(step, n - start)
+            slots = self._slots(flat.dtype)
+            if src < 0 or self.rank == src:
+                slots[self.rank, :k].copy_(flat[start : start + k])
+            self._meet(post)
+            yield start, k, slots
 
     def _count(self, kind: str, nbytes: int) -> None:
         if self._broken is not None:
@@ -402,6 +372,17 @@ class ShmChannel:
             return
         self._broken = why
         raise RuntimeError(why)
+
+
+def _column_views(tensors: list, sizes: list, start: int, k: int) -> list:
+    """The parts of `tensors` (`[world, sizes[i]]` each, side by side) in columns `[start, start + k)`."""
+    views, first = [], 0
+    for tensor, size in zip(tensors, sizes):
+        lo, hi = max(first, start), min(first + size, start + k)
+        if lo < hi:
+            views.append(tensor[:, lo - first : hi - first])
+        first += size
+    return views
 
 
 def _chunk_starts(n: int, step: int) -> range:
