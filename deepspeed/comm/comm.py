@@ -305,16 +305,19 @@ def _make_shm_channel(group: Optional[ProcessGroup]) -> Optional[shm.ShmChannel]
         except (OSError, ValueError) as exc:
             reason = str(exc)
     answers: list = [None] * world
-    all_gather_object(answers, (reason, os.getpid(), shm.pid_namespace()), group=group)
+    all_gather_object(answers, (reason, os.getpid(), shm.pid_namespace(), shm.env_error()), group=group)
     if rank == 0 and path is not None:
         os.unlink(path)  # every rank has mapped it (or failed to): the name is no longer needed
-    reasons = [r for r, _, _ in answers if r is not None]
+    for other, (_, _, _, error) in enumerate(answers):
+        if error is not None:  # every rank raises, not only the misconfigured one (which would leave a hang)
+            raise ValueError(f"rank {other}: {error}")
+    reasons = [r for r, _, _, _ in answers if r is not None]
     if reasons:
         if rank == 0:
             logger.info(f"collectives of a {world}-rank gloo group use gloo, not shared memory: {reasons[0]}")
         return None
-    if len({ns for _, _, ns in answers}) == 1:
-        channel.check_liveness_of([pid for _, pid, _ in answers])
+    if len({ns for _, _, ns, _ in answers}) == 1:
+        channel.check_liveness_of([pid for _, pid, _, _ in answers])
     return channel
 
 

@@ -316,6 +316,14 @@ class TestSharedMemoryCollectives(DistributedTest):
             assert facade._shm_channel(plain, t) is None
         assert torch.equal(t, torch.full((2,), float(size)))
 
+        # A value that means neither: every rank raises, naming the rank that has it.
+        with mock.patch.dict(os.environ, {"DEEPSPEED_SHM_COMM": "off"} if rank == size - 1 else {}):
+            odd = dist.new_group(list(range(size)))
+            with pytest.raises(
+                ValueError, match=rf"rank {size - 1}: DEEPSPEED_SHM_COMM='off' is neither 0 nor 1"
+            ):
+                dist.all_reduce(torch.ones(2), group=odd)
+
     def test_ranks_that_disagree_all_raise_naming_each_ones_op(self):
         """Sizes that differ (gloo would report a mismatch) or a rank that makes another
         collective: every rank raises at the same barrier instead of reading the slots wrongly."""
