@@ -287,38 +287,59 @@ def _shm_channel(group: Optional[ProcessGroup], *tensors: torch.Tensor) -> Optio
 
 
 def _make_shm_channel(group: Optional[ProcessGroup]) -> Optional[shm.ShmChannel]:
-    """Rank 0 makes the segment; every rank maps it and checks rank 0's token; all or none use it."""
+    """All or none of the group's ranks use a channel: first they agree that each can, then
+    rank 0 makes the segment, every rank maps it and checks rank 0's token, and they agree
+    again. The first agreement comes before any file exists, so a peer that never arrives
+    (it raised, or died) leaves nothing behind in /dev/shm."""
     world, rank = get_world_size(group), get_rank(group)
-    reason = shm.unsupported_reason(world)
-    made = [None, None, shm.SLOT_BYTES]
-    if rank == 0 and reason is None:
-        try:
-            made[:2] = shm.create_segment(world, shm.SLOT_BYTES)
-        except OSError as exc:
-            reason = f"cannot reserve {shm.segment_bytes(world, shm.SLOT_BYTES) >> 20} MB in /dev/shm: {exc}"
-    broadcast_object_list(made, src=get_global_rank(group, 0), group=group)
-    path, token, slot_bytes = made
-    channel = None
-    if path is not None and reason is None:
-        try:
-            channel = shm.ShmChannel(path, token, world, rank, default_timeout().total_seconds(), slot_bytes)
-        except (OSError, ValueError) as exc:
-            reason = str(exc)
     answers: list = [None] * world
-    all_gather_object(answers, (reason, os.getpid(), shm.pid_namespace(), shm.env_error()), group=group)
-    if rank == 0 and path is not None:
-        os.unlink(path)  # every rank has mapped it (or failed to): the name is no longer needed
+    all_gather_object(
+        answers,
+        (shm.unsupported_reason(world), os.getpid(), shm.pid_namespace(), shm.env_error()),
+        group=group,
+    )
     for other, (_, _, _, error) in enumerate(answers):
         if error is not None:  # every rank raises, not only the misconfigured one (which would leave a hang)
             raise ValueError(f"rank {other}: {error}")
     reasons = [r for r, _, _, _ in answers if r is not None]
+    made = [None, None, shm.SLOT_BYTES]
+    if rank == 0 and not reasons:
+        try:
+            made[:2] = shm.create_segment(world, shm.SLOT_BYTES)
+        except OSError as exc:
+            made[1] = f"cannot reserve {shm.segment_bytes(world, shm.SLOT_BYTES) >> 20} MB in /dev/shm: {exc}"
     if reasons:
-        if rank == 0:
-            logger.info(f"collectives of a {world}-rank gloo group use gloo, not shared memory: {reasons[0]}")
-        return None
+        return _stay_on_gloo(world, rank, reasons[0])
+    try:
+        broadcast_object_list(made, src=get_global_rank(group, 0), group=group)
+        path, token, slot_bytes = made
+        channel, reason = None, token if path is None else None  # rank 0's error, when it made none
+        if path is not None:
+            try:
+                channel = shm.ShmChannel(
+                    path, token, world, rank, default_timeout().total_seconds(), slot_bytes
+                )
+            except (OSError, ValueError) as exc:
+                reason = str(exc)
+        mapped: list = [None] * world
+        all_gather_object(mapped, reason, group=group)
+    finally:
+        # Every rank has mapped it (or failed to, or a peer never came): the name is no longer
+        # needed, and a segment left in /dev/shm would hold its memory until reboot.
+        if rank == 0 and made[0] is not None:
+            os.unlink(made[0])
+    reasons = [r for r in mapped if r is not None]
+    if reasons:
+        return _stay_on_gloo(world, rank, reasons[0])
     if len({ns for _, _, ns, _ in answers}) == 1:
         channel.check_liveness_of([pid for _, pid, _, _ in answers])
     return channel
+
+
+def _stay_on_gloo(world: int, rank: int, reason: str) -> None:
+    if rank == 0:
+        logger.info(f"collectives of a {world}-rank gloo group use gloo, not shared memory: {reason}")
+    return None
 
 
 def _drop_stale_channels() -> None:
