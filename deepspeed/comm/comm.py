@@ -269,7 +269,7 @@ def _shm_channel(group: Optional[ProcessGroup], *tensors: torch.Tensor) -> Optio
     """The group's shared-memory channel when `tensors` can use it, else None (use the backend).
 
     Made on the group's first eligible collective, which every rank reaches in the same
-    order, so making it (two small gloo collectives) is itself collective.
+    order, so making it (three small gloo collectives) is itself collective.
     """
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return None
@@ -302,14 +302,14 @@ def _make_shm_channel(group: Optional[ProcessGroup]) -> Optional[shm.ShmChannel]
         if error is not None:  # every rank raises, not only the misconfigured one (which would leave a hang)
             raise ValueError(f"rank {other}: {error}")
     reasons = [r for r, _, _, _ in answers if r is not None]
-    made = [None, None, shm.SLOT_BYTES]
-    if rank == 0 and not reasons:
+    if reasons:
+        return _stay_on_gloo(world, rank, reasons[0])
+    made = [None, None, shm.SLOT_BYTES]  # path, token (or rank 0's error), slot bytes
+    if rank == 0:
         try:
             made[:2] = shm.create_segment(world, shm.SLOT_BYTES)
         except OSError as exc:
             made[1] = f"cannot reserve {shm.segment_bytes(world, shm.SLOT_BYTES) >> 20} MB in /dev/shm: {exc}"
-    if reasons:
-        return _stay_on_gloo(world, rank, reasons[0])
     try:
         broadcast_object_list(made, src=get_global_rank(group, 0), group=group)
         path, token, slot_bytes = made
