@@ -38,7 +38,9 @@ architectures need fences this Python code cannot issue; they keep gloo.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import itertools
 import mmap
 import os
 import platform
@@ -231,9 +233,10 @@ class ShmChannel:
         `outputs` (`[world, sizes[i]]` each, sizes summing to n), straight from the slots."""
         n = inp.numel()
         self._count("all_gather", self.world * n * inp.element_size())
+        ends = list(itertools.accumulate(sizes))
         for start, k, slots in self._rounds("all_gather", inp.reshape(-1)):
-            dests = outputs if k == n else _column_views(outputs, sizes, start, k)
-            torch.split_with_sizes_copy(slots[:, :k], [d.shape[1] for d in dests], dim=1, out=dests)
+            dests, widths = (outputs, sizes) if k == n else _column_views(outputs, sizes, ends, start, k)
+            torch.split_with_sizes_copy(slots[:, :k], widths, dim=1, out=dests)
 
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """`out` (n elements) gets the sum over ranks of slice `rank` of `inp` (`world * n`)."""
@@ -258,11 +261,12 @@ class ShmChannel:
         self._count("reduce_scatter", n * out.element_size())
         step = self.slot_bytes // out.element_size() // world
         dst, post = out.view(-1), _post("reduce_scatter", out.dtype, n)
+        ends = list(itertools.accumulate(sizes))
         for start in _chunk_starts(n, step):
             k = min(step, n - start)
             slots = self._slots(out.dtype)
             mine = slots[self.rank, : world * k].view(world, k)  # destination-major, as above
-            torch.cat(blocks if k == n else _column_views(blocks, sizes, start, k), dim=1, out=mine)
+            torch.cat(blocks if k == n else _column_views(blocks, sizes, ends, start, k)[0], dim=1, out=mine)
             if prescale != 1.0:
                 mine.mul_(prescale)
             self._meet(post)
@@ -385,15 +389,27 @@ class ShmChannel:
         raise RuntimeError(why)
 
 
-def _column_views(tensors: list, sizes: list, start: int, k: int) -> list:
-    """The parts of `tensors` (`[world, sizes[i]]` each, side by side) in columns `[start, start + k)`."""
-    views, first = [], 0
-    for tensor, size in zip(tensors, sizes):
-        lo, hi = max(first, start), min(first + size, start + k)
-        if lo < hi:
-            views.append(tensor[:, lo - first : hi - first])
-        first += size
-    return views
+def _column_views(tensors: list, sizes: list, ends: list, start: int, k: int) -> tuple:
+    """`(views, widths)`: the parts of `tensors` (`[world, sizes[i]]` each, side by side;
+    `ends`: the running sum of `sizes`) in columns `[start, start + k)`.
+
+    Only the first and last tensor of the range are sliced; the ones between are whole. A
+    collective calls this once per chunk, and slicing every tensor of a hundred-parameter
+    module each time cost as much as the copy itself.
+    """
+    stop = start + k
+    lo = bisect.bisect_right(ends, start)  # the first tensor that ends after `start`
+    hi = bisect.bisect_left(ends, stop, lo) + 1  # one past the tensor that holds column `stop - 1`
+    views, widths = tensors[lo:hi], sizes[lo:hi]
+    head = start - (ends[lo] - sizes[lo])  # columns of the first tensor before the chunk
+    tail = ends[hi - 1] - stop  # columns of the last tensor after it
+    if head or tail:
+        views, widths = list(views), list(widths)
+        if head:
+            views[0], widths[0] = views[0][:, head:], widths[0] - head
+        if tail:
+            views[-1], widths[-1] = views[-1][:, : widths[-1] - tail], widths[-1] - tail
+    return views, widths
 
 
 def _chunk_starts(n: int, step: int) -> range:

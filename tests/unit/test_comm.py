@@ -388,6 +388,26 @@ def test_shm_refuses_a_segment_rank_0_did_not_write():
         assert shm.unsupported_reason(2) == "DEEPSPEED_SHM_COMM=0"
 
 
+def test_shm_column_views_match_slicing_every_tensor():
+    """A chunk's views of side-by-side blocks (only the range's end blocks sliced) equal
+    slicing each block that overlaps the chunk, zero-width blocks and every chunk edge included."""
+    import itertools
+
+    from deepspeed.comm.shm import _column_views
+
+    sizes = [3, 0, 7, 1, 0, 5, 9]
+    ends = list(itertools.accumulate(sizes))
+    blocks = [torch.arange(2 * n).view(2, n) + 100 * i for i, n in enumerate(sizes)]
+    whole = torch.cat(blocks, dim=1)
+    n = ends[-1]
+    for start in range(n):
+        for k in range(1, n - start + 1):
+            views, widths = _column_views(blocks, sizes, ends, start, k)
+            assert widths == [v.shape[1] for v in views], (start, k)
+            assert torch.equal(torch.cat(views, dim=1), whole[:, start : start + k]), (start, k)
+            assert views[0].shape[1] > 0 and views[-1].shape[1] > 0, (start, k)
+
+
 class TestFileInit(DistributedTest):
     world_size = [2]
     reuse_dist_env = False
