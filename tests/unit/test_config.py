@@ -575,3 +575,20 @@ def test_errors_are_value_errors_without_pydantic_chain():
     with pytest.raises(DeepSpeedConfigError) as info:
         zero({"stage": 5})
     assert isinstance(info.value, ValueError) and info.value.__cause__ is None
+
+
+def test_optimizer_params_reach_the_optimizer_as_upstream_passes_them():
+    """Only the keys that choose the optimizer (torch_adam, adam_w_mode) are taken out; torch's
+    own options such as `fused` take effect, and a key the optimizer does not take is its
+    TypeError naming the key, not dropped."""
+    from deepspeed.runtime.zero.stage3 import build_config_optimizer
+
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(3))]}]
+    opt = build_config_optimizer("AdamW", {"lr": 0.01, "torch_adam": True, "fused": True}, groups)
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True and opt.defaults["lr"] == 0.01
+    opt = build_config_optimizer("Adam", {"adam_w_mode": False, "foreach": False}, groups)
+    assert type(opt) is torch.optim.Adam and opt.defaults["foreach"] is False
+    with pytest.raises(TypeError, match="cuda_aware"):
+        build_config_optimizer("AdamW", {"cuda_aware": False}, groups)
+    with pytest.raises(TypeError, match="fused"):  # DeepSpeedCPUAdam is one fused kernel already
+        build_config_optimizer("AdamW", {"fused": True}, groups, offload=True)

@@ -42,15 +42,11 @@ from deepspeed.runtime.zero.estimators import (  # noqa: F401 - upstream's impor
 )
 from deepspeed.runtime.zero.param_state import ZeroParamState, is_zero_param
 
-# Keys of the config's optimizer params that are upstream options, not torch arguments.
-_UPSTREAM_ONLY_KEYS = (
-    "torch_adam",
-    "adam_w_mode",
-    "fused",
-    "cuda_aware",
-    "comm_backend_name",
-    "legacy_fusion",
-)
+# Keys of the config's optimizer params that choose the optimizer rather than configure it:
+# upstream reads and removes them before building one. Every other key goes to the optimizer's
+# constructor, as upstream passes it (torch's `fused` and `foreach` take effect; a key the
+# optimizer does not take is its TypeError, naming the key).
+_SELECTOR_KEYS = ("torch_adam", "adam_w_mode")
 
 
 def build_config_optimizer(
@@ -61,7 +57,7 @@ def build_config_optimizer(
     With optimizer offload, Adam and AdamW step on the CPU with `DeepSpeedCPUAdam` (as
     upstream), unless the block asks for `torch_adam`.
     """
-    kwargs = {k: v for k, v in (params or {}).items() if k not in _UPSTREAM_ONLY_KEYS}
+    kwargs = {k: v for k, v in (params or {}).items() if k not in _SELECTOR_KEYS}
     name = (name or "").lower()
     if offload and name in ("adam", "adamw") and not (params or {}).get("torch_adam", False):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
