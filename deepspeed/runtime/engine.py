@@ -18,10 +18,12 @@ import torch
 from torch import nn
 
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
 from deepspeed.runtime.checkpointing import CheckpointMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.forward_prologue import forward_prologue, report_progress
+from deepspeed.runtime.host_malloc import keep_freed_memory_for_reuse
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
@@ -63,6 +65,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"deepspeed.initialize: model must be an nn.Module, got {type(model).__name__}")
         self._config = config if isinstance(config, DeepSpeedConfig) else DeepSpeedConfig(config, mpu=mpu)
+        if get_accelerator().device_name() == "cpu":
+            keep_freed_memory_for_reuse()  # see host_malloc.py's note
         self._check_ranks_agree(model)
         self._configure_activation_checkpointing(mpu)
         self.args = args
@@ -150,7 +154,6 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
 
     def _cast_in_place(self, tensors) -> None:
         """Floating tensors to the training dtype, all to the device, in place: aliases follow."""
-        from deepspeed.accelerator import get_accelerator
 
         device = torch.device(get_accelerator().current_device_name())
         for t in tensors:
@@ -265,7 +268,6 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         `pin_memory` pins batches when the accelerator is not the CPU; `num_local_io_workers`
         are the DataLoader's worker processes.
         """
-        from deepspeed.accelerator import get_accelerator
         from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 
         routes = ("train", "eval", "predict", "encode")
@@ -467,7 +469,6 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
 
     @property
     def device(self) -> torch.device:
-        from deepspeed.accelerator import get_accelerator
 
         return torch.device(get_accelerator().current_device_name())
 
