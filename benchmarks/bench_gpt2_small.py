@@ -103,7 +103,7 @@ def side_by_side(opts, log_dir: Path) -> dict:
     print(f"\n== gpt2_small side by side, 2 ranks: ours with each of {', '.join(peers)} in turn", flush=True)
     spec = spec_for(opts)
     ours, infos, errors = bench_train_step.start_groups(["ours"], spec, targs, log_dir)
-    times, cpu, losses = {}, {}, {}
+    times, cpu, faults, losses = {}, {}, {}, {}
     memory, collectives, pair_ratios, pair_ours_s = {}, {}, {}, {}
     try:
         for peer in peers if ours else []:
@@ -111,7 +111,9 @@ def side_by_side(opts, log_dir: Path) -> dict:
             infos.update(info)
             errors.update(failed)
             try:
-                t, c, loss, failed = bench_train_step.run_rounds({**ours, **group}, targs.rounds, targs.steps)
+                t, c, f, loss, failed = bench_train_step.run_rounds(
+                    {**ours, **group}, targs.rounds, targs.steps
+                )
                 found = _probe(group, failed)
             finally:
                 _close(group)
@@ -119,6 +121,7 @@ def side_by_side(opts, log_dir: Path) -> dict:
             for impl in t:
                 times.setdefault(impl, []).extend(t[impl])
                 cpu.setdefault(impl, []).extend(c[impl])
+                faults.setdefault(impl, []).extend(f[impl])
             losses.update(loss)
             memory.update(found[0])
             collectives.update(found[1])
@@ -133,12 +136,14 @@ def side_by_side(opts, log_dir: Path) -> dict:
     finally:
         _close(ours)
     return _side_by_side_entry(
-        times, cpu, losses, infos, errors, memory, collectives, pair_ratios, pair_ours_s
+        times, cpu, faults, losses, infos, errors, memory, collectives, pair_ratios, pair_ours_s
     )
 
 
-def _side_by_side_entry(times, cpu, losses, infos, errors, memory, collectives, pair_ratios, pair_ours_s):
-    entry = bench_train_step.summarize(times, cpu, losses, infos, errors)
+def _side_by_side_entry(
+    times, cpu, faults, losses, infos, errors, memory, collectives, pair_ratios, pair_ours_s
+):
+    entry = bench_train_step.summarize(times, cpu, faults, losses, infos, errors)
     out = {key: entry[key] for key in ("ours_s", "upstream_deepspeed_s", "fsdp2_s", "ddp_s")}
     out.update(
         # Each ratio from the rounds ours shared with that peer (see the note in side_by_side).
@@ -147,6 +152,7 @@ def _side_by_side_entry(times, cpu, losses, infos, errors, memory, collectives, 
         ratio_vs_ddp=pair_ratios.get("ddp"),
         ours_s_beside=pair_ours_s,
         cpu_s=entry["cpu_s"],
+        minor_faults_per_step=entry["minor_faults_per_step"],
         p25_p75_s=entry["p25_p75_s"],
         timed_steps={i: n for i, n in entry["timed_steps"].items() if n},
         # Ours runs more steps than any one peer, so final losses differ by design; after the
@@ -169,12 +175,12 @@ def _measure_alone(world_size: int, opts, log_dir: Path) -> tuple:
     targs = _train_args(opts, ["ours"], world_size)
     groups, infos, errors = bench_train_step.start_groups(["ours"], spec_for(opts), targs, log_dir)
     try:
-        times, cpu, losses, failed = bench_train_step.run_rounds(groups, targs.rounds, targs.steps)
+        times, cpu, faults, losses, failed = bench_train_step.run_rounds(groups, targs.rounds, targs.steps)
         errors.update(failed)
         memory, _ = _probe(groups, errors)
     finally:
         _close(groups)
-    return bench_train_step.summarize(times, cpu, losses, infos, errors), memory
+    return bench_train_step.summarize(times, cpu, faults, losses, infos, errors), memory
 
 
 def scaling_case(world_size: int, opts, log_dir: Path, measured=None) -> dict:

@@ -214,6 +214,7 @@ def run_rounds(groups: dict, rounds: int, steps: int) -> tuple:
     """Rotate through the groups `rounds` times, `steps` timed steps each turn."""
     times = {impl: [] for impl in groups}
     cpu = {impl: [] for impl in groups}
+    faults = {impl: [] for impl in groups}
     losses, errors = {}, {}
     for r in range(rounds):
         order = list(groups)
@@ -229,9 +230,10 @@ def run_rounds(groups: dict, rounds: int, steps: int) -> tuple:
                 continue
             times[impl].extend(event["times"])
             cpu[impl].extend(event["cpu"])
+            faults[impl].extend(event["faults"])
             losses[impl] = event["loss"]
         print(f"  round {r + 1}/{rounds}: " + ", ".join(_median_text(times, i) for i in order), flush=True)
-    return times, cpu, losses, errors
+    return times, cpu, faults, losses, errors
 
 
 def count_collectives(groups: dict, failed: dict) -> dict:
@@ -285,7 +287,7 @@ def _cpu_ratio(cpu: dict, a: str, b: str):
     return statistics.median(cpu[a]) / statistics.median(cpu[b])
 
 
-def summarize(times: dict, cpu: dict, losses: dict, infos: dict, errors: dict) -> dict:
+def summarize(times: dict, cpu: dict, faults: dict, losses: dict, infos: dict, errors: dict) -> dict:
     """The JSON entry for one (model, dtype): medians, ratios, spread, final losses."""
     med = {impl: (statistics.median(times[impl]) if times.get(impl) else None) for impl in ALL_IMPLS}
 
@@ -313,6 +315,9 @@ def summarize(times: dict, cpu: dict, losses: dict, infos: dict, errors: dict) -
         min_s={i: min(t) for i, t in times.items() if t},
         # CPU seconds per step summed over ranks: robust to other jobs on a shared machine.
         cpu_s={i: statistics.median(c) for i, c in cpu.items() if c},
+        # Minor page faults per step, summed over ranks: memory given back to the kernel and
+        # faulted in again, zero-filled (host_malloc.py's note).
+        minor_faults_per_step={i: statistics.median(f) for i, f in faults.items() if f},
         final_loss=losses,
         params=next((info["params"] for info in infos.values()), None),
         errors=errors,
@@ -330,7 +335,7 @@ def error_reason(text: str) -> str:
 
 def print_table(title: str, entry: dict) -> None:
     print(f"\n{title}  ({entry['params']:,} parameters)")
-    head = f"{'median s':>9s} {'p25..p75 s':>15s} {'min s':>7s} {'cpu s':>7s} {'steps':>5s} {'loss':>8s}"
+    head = f"{'median s':>9s} {'p25..p75 s':>15s} {'min s':>7s} {'cpu s':>7s} {'faults':>7s} {'steps':>5s} {'loss':>8s}"
     print(f"  {'implementation':34s} {head}")
     for impl in ALL_IMPLS:
         value = entry[TIME_KEYS[impl]]
@@ -343,6 +348,9 @@ def print_table(title: str, entry: dict) -> None:
             f"{spread[0]:.3f}..{spread[1]:.3f}".rjust(15) if spread else " " * 15,
             f"{entry['min_s'][impl]:7.3f}" if impl in entry["min_s"] else " " * 7,
             f"{entry['cpu_s'][impl]:7.3f}" if impl in entry["cpu_s"] else " " * 7,
+            f"{entry['minor_faults_per_step'][impl]:7.0f}"
+            if impl in entry["minor_faults_per_step"]
+            else " " * 7,
             f"{entry['timed_steps'][impl]:5d}",
             f"{loss:8.4f}" if loss is not None else " " * 8,
         ]
@@ -380,13 +388,13 @@ def measure(model: str, dtype: str, args, impls: list, log_dir: Path) -> dict:
     load_before = round(os.getloadavg()[0], 2)
     groups, infos, errors = start_groups(impls, spec, args, log_dir)
     try:
-        times, cpu, losses, run_errors = run_rounds(groups, args.rounds, args.steps)
+        times, cpu, faults, losses, run_errors = run_rounds(groups, args.rounds, args.steps)
         collectives = count_collectives(groups, run_errors)
     finally:
         for group in groups.values():
             group.close()
     errors.update(run_errors)
-    entry = summarize(times, cpu, losses, infos, errors)
+    entry = summarize(times, cpu, faults, losses, infos, errors)
     entry["spec"] = spec
     entry["collectives"] = collectives
     # Other jobs on a shared machine slow whichever group runs beside them: record the load.

@@ -256,14 +256,16 @@ def _scaling_one(impls: list, targs, log_dir: Path) -> dict:
     groups, infos, errors = bench_train_step.start_groups(impls, spec, targs, log_dir)
     memory = {}
     try:
-        times, cpu, losses, run_errors = bench_train_step.run_rounds(groups, targs.rounds, targs.steps)
+        times, cpu, faults, losses, run_errors = bench_train_step.run_rounds(
+            groups, targs.rounds, targs.steps
+        )
         for impl, group in groups.items():
             memory[impl] = group.command({"cmd": "memory"}, timeout_s=120)
     finally:
         for group in groups.values():
             group.close()
     errors.update(run_errors)
-    entry = bench_train_step.summarize(times, cpu, losses, infos, errors)
+    entry = bench_train_step.summarize(times, cpu, faults, losses, infos, errors)
     params = entry["params"] or 0
     n = targs.world_size
 
