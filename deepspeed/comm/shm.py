@@ -53,6 +53,8 @@ from typing import Optional
 
 import torch
 
+from deepspeed.utils.switches import switch_error, switched_off
+
 ENV = "DEEPSPEED_SHM_COMM"  # "0": every collective goes through the process group's backend
 SLOT_BYTES = 2 << 20  # one rank's share of one chunk (new channels read it when made)
 MAX_WORLD = 128  # ranks a control page holds (counters, pids, token)
@@ -106,20 +108,16 @@ def _describe(post: tuple) -> str:
 
 
 def env_error() -> Optional[str]:
-    """What is wrong with this process's `DEEPSPEED_SHM_COMM`, if anything (only 0 and 1 mean something)."""
-    raw = os.environ.get(ENV)
-    if raw is None or raw in ("0", "1"):
-        return None
-    return (
-        f"{ENV}={raw!r} is neither 0 nor 1; set {ENV}=0 to keep a one-host gloo group's collectives on "
-        f"gloo, or 1 (the default) to run them through shared memory"
+    """What is wrong with this process's `DEEPSPEED_SHM_COMM`, if anything."""
+    return switch_error(
+        ENV, "keep a one-host gloo group's collectives on gloo", "run them through shared memory"
     )
 
 
 def unsupported_reason(world: int) -> Optional[str]:
     """Why this process cannot use a channel of `world` ranks (None: it can)."""
-    if os.environ.get(ENV, "1") != "1":
-        return f"{ENV}={os.environ[ENV]}"
+    if switched_off(ENV):
+        return f"{ENV}=0"
     if not sys.platform.startswith("linux") or not os.path.isdir("/dev/shm"):
         return "no /dev/shm (shared-memory collectives need Linux)"
     if platform.machine().lower() not in ("x86_64", "amd64"):

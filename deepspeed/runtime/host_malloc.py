@@ -30,6 +30,7 @@ import platform
 from typing import Optional
 
 from deepspeed.utils.logging import logger
+from deepspeed.utils.switches import switch_error, switched_off
 
 ENV = "DEEPSPEED_HOST_MALLOC"
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's upper bound for its dynamic mmap threshold
@@ -42,12 +43,11 @@ _applied: list = []  # the outcome once decided in this process: [None] applied,
 
 
 def env_error() -> Optional[str]:
-    raw = os.environ.get(ENV)
-    if raw is None or raw in ("0", "1"):
-        return None
-    return (
-        f"{ENV}={raw!r} is neither 0 nor 1; set {ENV}=0 to keep glibc's malloc thresholds, or 1 (the "
-        "default) to let the engine keep memory freed in a CPU training step for the next step"
+    """What is wrong with this process's `DEEPSPEED_HOST_MALLOC`, if anything."""
+    return switch_error(
+        ENV,
+        "keep glibc's malloc thresholds",
+        "let the engine keep memory freed in a CPU training step for the next",
     )
 
 
@@ -79,7 +79,7 @@ def keep_freed_memory_for_reuse() -> Optional[str]:
 
 
 def _why_not() -> Optional[str]:
-    if os.environ.get(ENV, "1") == "0":
+    if switched_off(ENV):
         return f"{ENV}=0"
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return "not Linux with glibc (mallopt's thresholds are glibc's)"
