@@ -398,15 +398,13 @@ def _column_views(tensors: list, sizes: list, ends: list, start: int, k: int) ->
     stop = start + k
     lo = bisect.bisect_right(ends, start)  # the first tensor that ends after `start`
     hi = bisect.bisect_left(ends, stop, lo) + 1  # one past the tensor that holds column `stop - 1`
-    views, widths = tensors[lo:hi], sizes[lo:hi]
+    views, widths = tensors[lo:hi], sizes[lo:hi]  # new lists: the ends may be replaced below
     head = start - (ends[lo] - sizes[lo])  # columns of the first tensor before the chunk
     tail = ends[hi - 1] - stop  # columns of the last tensor after it
-    if head or tail:
-        views, widths = list(views), list(widths)
-        if head:
-            views[0], widths[0] = views[0][:, head:], widths[0] - head
-        if tail:
-            views[-1], widths[-1] = views[-1][:, : widths[-1] - tail], widths[-1] - tail
+    if head:
+        views[0], widths[0] = views[0][:, head:], widths[0] - head
+    if tail:
+        views[-1], widths[-1] = views[-1][:, : widths[-1] - tail], widths[-1] - tail
     return views, widths
 
 
