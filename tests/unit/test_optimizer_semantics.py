@@ -143,6 +143,30 @@ class TestOptimizerSemantics(DistributedTest):
         assert_parity(model, train(engine, data), reference, ref_losses)
         assert engine.get_lr() == [g["lr"] for g in ref_opt.param_groups]
 
+    def test_config_adamw_with_torch_fused_matches_torch_fused_adamw(self):
+        """`optimizer.params.fused` reaches torch's AdamW (it was dropped once); every stage
+        steps with the fused kernel and trains as plain PyTorch's fused AdamW does."""
+        data = batches(3, seed=24)
+        reference = build()
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+        ref_losses = train_reference(reference, ref_opt, data)
+        params = {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True, "fused": True}
+        for stage in (1, 2, 3):
+            model = build()
+            config = base_config(optimizer={"type": "AdamW", "params": params})
+            config["zero_optimization"]["stage"] = stage
+            engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config)
+            assert isinstance(optimizer.optimizer, torch.optim.AdamW)
+            assert all(g["fused"] is True for g in optimizer.param_groups), stage
+            losses = train(engine, data)
+            # Adam turns the reduction's rounding into steps of up to lr, so looser than SGD's.
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+            got = gathered_params(model)
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(
+                    got[name], p.detach(), rtol=0, atol=2e-4, msg=f"stage {stage} {name}"
+                )
+
     def test_callable_optimizer_gets_model_parameters_groups(self):
         data = batches(3, seed=23)
         reference = build()
