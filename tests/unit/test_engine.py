@@ -432,6 +432,21 @@ class TestPrefetch(DistributedTest):
         engine.step()
         assert waits and sum(waits) >= len(waits) // 2  # most gathers were issued ahead, async
 
+    def test_persistent_parameters_take_no_module_holds(self):
+        # Small parameters stay gathered; the hooks hold, trace and prefetch only the others,
+        # and a module with nothing else (the LayerNorm, 2 x 12 elements) is skipped, with
+        # the same numbers as plain PyTorch.
+        data = batches(3, seed=7)
+        reference, ref_losses = reference_run(data)
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 50, "reduce_bucket_size": 300}
+        engine, losses = engine_run(data, zero_optimization=zero)
+        assert_parity(engine, losses, reference, ref_losses)
+        norm = {p._zero_state.ds_id for p in engine.module.norm.parameters()}
+        assert norm and all(p.ds_persist for p in engine.module.norm.parameters())
+        trace = engine.coordinator.prefetcher.trace
+        assert trace and all(entry and not any(s.persist for s in entry) for entry in trace)
+        assert not norm & {s.ds_id for entry in trace for s in entry}
+
 
 class TestReuseDistance(DistributedTest):
     world_size = [2]

@@ -102,6 +102,23 @@ def _grad_tensors(value: Any, found: list) -> list:
     return found
 
 
+def _on_gradients(tensors: list, fn: Any, mode: str) -> None:
+    """`register_multi_grad_hook(tensors, fn, mode=mode)`; one tensor's plain hook when there is one.
+
+    For a single tensor "all" and "any" both mean "when its gradient is computed", which is
+    what a tensor hook does, at a third of the multi-hook's cost; most submodules take and
+    return one tensor, and this runs twice per submodule per pass.
+    """
+    if len(tensors) == 1:
+
+        def hook(grad: torch.Tensor) -> None:  # returns None: the gradient passes unchanged
+            fn([grad] if mode == "all" else grad)
+
+        tensors[0].register_hook(hook)
+    else:
+        register_multi_grad_hook(tensors, fn, mode=mode)
+
+
 class _Hold:
     """One owner of gathered parameters: a submodule's forward or its backward (see the notes)."""
 
@@ -264,7 +281,12 @@ class ParameterCoordinator:
     # ------------------------------------------------------------------ fetch / release
 
     def _states_for(self, module: nn.Module) -> list:
-        """What `module`'s forward or backward holds (see the leaf note); a new list each call."""
+        """What `module`'s forward or backward holds (see the leaf note); a new list each call.
+
+        Persistent parameters are left out: they are gathered for good, so a hold on them
+        would change nothing, and a module holding nothing else (a LayerNorm, a bias-only
+        module) then skips the fetch, the release and both gradient hooks.
+        """
         cached = self._states_cache.get(id(module))
         if cached is None:
             if id(module) in self.under_leaf:
@@ -273,6 +295,7 @@ class ParameterCoordinator:
                 cached = _leaf_states(module)
             else:
                 cached = _module_states(module)
+            cached = [s for s in cached if not s.persist]
             self._states_cache[id(module)] = cached
         return list(cached)  # a hold may append to its own list (_on_access)
 
@@ -303,7 +326,7 @@ class ParameterCoordinator:
         if torch.is_grad_enabled():
             inputs = _grad_tensors((args, kwargs), [])
             if inputs:  # released once every input's gradient exists (see the note)
-                register_multi_grad_hook(inputs, lambda grads: self.exit_backward(module), mode="all")
+                _on_gradients(inputs, lambda grads: self.exit_backward(module), mode="all")
         return None
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -317,7 +340,7 @@ class ParameterCoordinator:
         if hold.states and output is not None and torch.is_grad_enabled():
             outputs = _grad_tensors(output, [])
             if outputs:  # gathered again before the submodule's backward (see the note)
-                register_multi_grad_hook(outputs, lambda grad: self.enter_backward(module), mode="any")
+                _on_gradients(outputs, lambda grad: self.enter_backward(module), mode="any")
         return None
 
     def _pop_forward_hold(self, module: nn.Module) -> Optional[_Hold]:
