@@ -59,7 +59,13 @@ def build_config_optimizer(
     """
     kwargs = {k: v for k, v in (params or {}).items() if k not in _SELECTOR_KEYS}
     name = (name or "").lower()
-    if offload and name in ("adam", "adamw") and not (params or {}).get("torch_adam", False):
+    torch_adam = bool((params or {}).get("torch_adam", False))
+    if name in ("adam", "adamw") and not torch_adam:
+        # Upstream builds its FusedAdam (or DeepSpeedCPUAdam) here, not torch's: their weight
+        # decay defaults to 0, where torch's AdamW's is 0.01. torch's class stands in with
+        # FusedAdam's defaults, which are otherwise torch's (lr, betas, eps).
+        kwargs.setdefault("weight_decay", 0.0)
+    if offload and name in ("adam", "adamw") and not torch_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         adam_w = name == "adamw" or (params or {}).get("adam_w_mode", True)
