@@ -11,6 +11,7 @@ as stage 1: the same results as plain data parallelism, with the optimizer state
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any, Optional
 
@@ -36,6 +37,11 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
     refuse_partitioned,
 )
 from deepspeed.utils.logging import logger
+
+
+class NoSyncError(AssertionError):
+    """Misuse of `engine.no_sync()`. An AssertionError, as upstream raises, so that code and
+    tests written against upstream catch it."""
 
 
 def _train_dtype(config: DeepSpeedConfig) -> torch.dtype:
@@ -78,6 +84,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._boundary_override: Optional[bool] = None
         self._inside_backward = False  # engine.backward is running autograd
         self._stray_grads: list = []  # params whose gradients came from a backward outside it
+        self._inside_no_sync = False  # see no_sync()
         zero = self._config.zero_config
         # Stages 0-2 keep full parameters (stage_1_and_2.py's note); stage 3 partitions them.
         self.partitions_weights = self._config.zero_optimization_stage == 3
@@ -307,7 +314,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._inside_backward and len(self._stray_grads) < 3:
             self._stray_grads.append(param)  # refused at the next backward or step, see _refuse_stray_grads
-        if not self.zero_optimization_partition_gradients() and not self.is_gradient_accumulation_boundary():
+        if not self.zero_optimization_partition_gradients() and (
+            self._inside_no_sync or not self.is_gradient_accumulation_boundary()
+        ):
             return  # stages 0-1: accumulate whole until the boundary's backward, as DDP's no_sync
         grad, param.grad = param.grad, None  # the full gradient lives only until it is packed
         self.reducer.add(self.optimizer.state_of(param), grad)
@@ -343,7 +352,11 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             if self.coordinator is not None:
                 self.coordinator.finish_backward()
         self.reducer.flush()
-        if not self.zero_optimization_partition_gradients() and self.is_gradient_accumulation_boundary():
+        if (
+            not self.zero_optimization_partition_gradients()
+            and self.is_gradient_accumulation_boundary()
+            and not self._inside_no_sync
+        ):
             # Stages 0-1: the boundary's backward reduces the accumulated gradients as they are
             # finished (the hooks above), so between backward and step they sit in the gradient
             # shards as at stages 2-3; a parameter this backward did not reach still holds the
@@ -383,6 +396,11 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         if self.optimizer is None:
             raise RuntimeError(
                 "engine.step() needs an optimizer; pass one to deepspeed.initialize or the config"
+            )
+        if self._inside_no_sync:
+            raise NoSyncError(
+                "It is illegal to call Engine.step() inside no_sync context manager: its gradients are "
+                "not reduced yet; leave the `with engine.no_sync():` block first (the step then reduces them)"
             )
         self._refuse_stray_grads("engine.step()")
         if self.is_gradient_accumulation_boundary():
@@ -587,20 +605,26 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             ]
         )
 
+    @contextlib.contextmanager
     def no_sync(self):
-        """Upstream's context for accumulating gradients without reducing them.
+        """Upstream's context for accumulating gradients without communication (stages 0 and 1).
 
-        ZeRO stages 2 and 3 partition gradients, which needs the reduction: refused, as
-        upstream (accelerate only enters it below stage 2). At stages 0 and 1 the body runs
-        and gradients are reduced as usual: reducing each micro-step's gradient and summing,
-        or summing and reducing once, gives the same result.
+        Inside it, every backward leaves its gradients summed in `param.grad`, unreduced, even
+        at an accumulation boundary; the first boundary backward or step outside it reduces the
+        sum. ZeRO stages 2 and 3 partition gradients as they are computed, which needs the
+        reduction: refused there. Re-entering it and `step()` inside it are refused too. The
+        errors are `NoSyncError`, an AssertionError as upstream's, with upstream's wording.
         """
         stage = self.zero_optimization_stage()
         if stage >= 2:
-            raise RuntimeError(
-                f"engine.no_sync() is incompatible with gradient partitioning at ZeRO stage {stage}; "
-                "use it only at stages 0 and 1"
+            raise NoSyncError(
+                f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage "
+                f"{stage}; use it at stages 0 and 1, or accumulate with gradient_accumulation_steps"
             )
-        import contextlib
-
-        return contextlib.nullcontext()
+        if self._inside_no_sync:
+            raise NoSyncError("no_sync context manager reentry is unsupported: this engine is inside one already")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False

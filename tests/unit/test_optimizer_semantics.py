@@ -8,6 +8,7 @@ momentum keeps the comparison meaningful (Adam turns rounding noise into lr-size
 
 import logging
 
+import pytest
 import torch
 
 import deepspeed
@@ -166,6 +167,57 @@ class TestOptimizerSemantics(DistributedTest):
                 torch.testing.assert_close(
                     got[name], p.detach(), rtol=0, atol=2e-4, msg=f"stage {stage} {name}"
                 )
+
+    def test_no_sync_accumulates_without_communication(self):
+        """Stages 0-1: backward inside `no_sync()` reduces nothing, even at a boundary; the
+        next backward outside it reduces the sum, which trains as plain PyTorch summing both
+        batches' gradients. Misuse raises upstream's AssertionErrors."""
+        from deepspeed.runtime.engine import NoSyncError
+
+        data = batches(4, seed=31)
+        reference = build()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+        ref_losses = []
+        for (ids_a, labels_a), (ids_b, labels_b) in zip(data[::2], data[1::2]):
+            ref_opt.zero_grad()
+            reference(ids_a, labels_a).backward()
+            loss = reference(ids_b, labels_b)
+            loss.backward()
+            ref_opt.step()
+            ref_losses.append(loss.item())
+        sgd = {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}}
+        for stage in (0, 1):
+            model = build()
+            config = base_config(optimizer=sgd)
+            config["zero_optimization"]["stage"] = stage
+            engine, *_ = deepspeed.initialize(model=model, config=config)
+            losses = []
+            for (ids_a, labels_a), (ids_b, labels_b) in zip(data[::2], data[1::2]):
+                calls = engine.reducer.reduce_calls
+                with engine.no_sync():
+                    engine.backward(engine(my_slice(ids_a), my_slice(labels_a)))
+                    assert engine.reducer.reduce_calls == calls, stage  # nothing left this rank
+                    with torch.no_grad():
+                        assert all(p.grad is not None for p in model.parameters()), stage
+                    with pytest.raises(AssertionError, match="illegal to call Engine.step"):
+                        engine.step()
+                    with pytest.raises(NoSyncError, match="reentry is unsupported"):
+                        with engine.no_sync():
+                            pass
+                loss = engine(my_slice(ids_b), my_slice(labels_b))
+                engine.backward(loss)
+                assert engine.reducer.reduce_calls > calls, stage
+                engine.step()
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append(total.item() / dist.get_world_size())
+            assert_parity(model, losses, reference, ref_losses)
+        config = base_config(optimizer=sgd)
+        config["zero_optimization"]["stage"] = 2
+        engine, *_ = deepspeed.initialize(model=build(), config=config)
+        with pytest.raises(AssertionError, match="no_sync context manager is incompatible .* ZeRO stage 2"):
+            with engine.no_sync():
+                pass
 
     def test_callable_optimizer_gets_model_parameters_groups(self):
         data = batches(3, seed=23)
