@@ -622,7 +622,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 f"{stage}; use it at stages 0 and 1, or accumulate with gradient_accumulation_steps"
             )
         if self._inside_no_sync:
-            raise NoSyncError("no_sync context manager reentry is unsupported: this engine is inside one already")
+            raise NoSyncError(
+                "no_sync context manager reentry is unsupported: this engine is inside one already"
+            )
         self._inside_no_sync = True
         try:
             yield

@@ -594,7 +594,9 @@ def test_optimizer_params_reach_the_optimizer_as_upstream_passes_them():
     # AdamW (what `torch_adam` builds) to 0.01; with or without offload the same config trains alike.
     for name in ("Adam", "AdamW"):
         assert build_config_optimizer(name, {"lr": 0.01}, groups).defaults["weight_decay"] == 0.0
-        assert build_config_optimizer(name, {"lr": 0.01}, groups, offload=True).defaults["weight_decay"] == 0.0
+        assert (
+            build_config_optimizer(name, {"lr": 0.01}, groups, offload=True).defaults["weight_decay"] == 0.0
+        )
     assert build_config_optimizer("AdamW", {"torch_adam": True}, groups).defaults["weight_decay"] == 0.01
     assert build_config_optimizer("AdamW", {"weight_decay": 0.1}, groups).defaults["weight_decay"] == 0.1
     with pytest.raises(TypeError, match="fused"):  # DeepSpeedCPUAdam is one fused kernel already
