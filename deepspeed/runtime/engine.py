@@ -35,6 +35,8 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
     make_replicated_shards,
     reduce_accumulated_grads,
     refuse_partitioned,
+    set_aside_grad,
+    take_whole_grad,
 )
 from deepspeed.utils.logging import logger
 
@@ -314,12 +316,17 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._inside_backward and len(self._stray_grads) < 3:
             self._stray_grads.append(param)  # refused at the next backward or step, see _refuse_stray_grads
-        if not self.zero_optimization_partition_gradients() and (
-            self._inside_no_sync or not self.is_gradient_accumulation_boundary()
-        ):
-            return  # stages 0-1: accumulate whole until the boundary's backward, as DDP's no_sync
-        grad, param.grad = param.grad, None  # the full gradient lives only until it is packed
-        self.reducer.add(self.optimizer.state_of(param), grad)
+        state = self.optimizer.state_of(param)
+        if self.zero_optimization_partition_gradients():
+            grad, param.grad = param.grad, None  # the full gradient lives only until it is packed
+        elif self._inside_no_sync or not self.is_gradient_accumulation_boundary():
+            # Stages 0-1: accumulate whole until the boundary's backward, as DDP's no_sync, in
+            # fp32 (see [Note: whole gradients accumulate in fp32] in stage_1_and_2.py).
+            set_aside_grad(state)
+            return
+        else:
+            grad = take_whole_grad(state)
+        self.reducer.add(state, grad)
 
     @staticmethod
     def _drop_grad(param: nn.Parameter) -> None:

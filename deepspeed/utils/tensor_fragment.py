@@ -169,8 +169,9 @@ def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
         return None if grad is None else grad.detach().float()
     optimizer, state = found
     # Stages 0-1 between the micro-steps of an accumulation: the gradient so far is still whole
-    # in param.grad, not yet reduced; this rank's, as upstream returns it (unscaled here).
-    pending = getattr(param, "grad", None) if _is_replicated(state) else None
+    # (param.grad and, for bf16/fp16, its fp32 sum), not yet reduced; this rank's, as upstream
+    # returns it (unscaled here).
+    pending = _whole_grad(state) if _is_replicated(state) else None
     local = None if pending is not None else _local_grad(optimizer, state)
     # Every rank must join the gather, so where the gradient is is decided together: MAX of
     # (kind, -kind) gives the largest and smallest kind any rank has.
@@ -194,6 +195,12 @@ def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     if most == 0.0:
         return None
     return _gather_full(local, state)
+
+
+def _whole_grad(state: Any) -> Optional[torch.Tensor]:
+    from deepspeed.runtime.zero.stage_1_and_2 import whole_grad
+
+    return whole_grad(state)
 
 
 def _is_replicated(state: Any) -> bool:

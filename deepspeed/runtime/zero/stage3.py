@@ -285,6 +285,9 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         accumulate whole gradients until the boundary (and where one left before `initialize`
         would otherwise join the first step), as upstream's zero_grad does."""
         self._reduced_order = 0
+        for state in self.states:
+            if getattr(state, "accumulated", None) is not None:  # stages 0-1: an fp32 sum of micro-steps
+                state.accumulated = None
         for tensor in [*self.masters.values(), *(state.param for state in self.states)]:
             if tensor.grad is None:
                 continue
