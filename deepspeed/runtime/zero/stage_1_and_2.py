@@ -105,8 +105,8 @@ def make_replicated_shards(module: nn.Module, group: Any = None) -> dict:
 # At stages 0-1 a micro-step that is not reduced (before the accumulation boundary, or inside
 # no_sync) leaves its whole gradient behind. autograd would sum those in `param.grad`, in the
 # parameter's dtype: for bf16 that rounds every sum to 8 bits of mantissa, so the boundary's
-# gradient drifted by about 1% over 8 micro-steps (measured), where stages 2-3 sum reduced
-# shards in fp32. So a low-precision `param.grad` is folded into an fp32 sum after each such
+# gradient drifted by 0.5% of its largest element over 8 micro-steps (measured), where
+# stages 2-3 sum reduced shards in fp32. So a low-precision `param.grad` is folded into an fp32 sum after each such
 # micro-step (`set_aside_grad`), and the boundary takes the sum plus its own gradient
 # (`take_whole_grad`), reduced in fp32 unless `communication_data_type` says otherwise. The
 # extra memory, 4 bytes per parameter, lives only between micro-steps (upstream's
