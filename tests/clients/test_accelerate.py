@@ -1,4 +1,4 @@
-"""accelerate on our ZeRO-3, 2 CPU ranks: training with accumulation, state dicts, checkpoints.
+"""accelerate on our ZeRO-3 (and ZeRO-1), 2 CPU ranks: training with accumulation, state dicts, checkpoints.
 
 A tiny MLP trains for two epochs of two optimizer steps each (gradient accumulation 2)
 through `Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3))`; every step's loss,
@@ -53,13 +53,13 @@ def reference_run(model: torch.nn.Module, epochs: int) -> tuple:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def make_accelerator(offload):
+def make_accelerator(offload, stage=3):
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import InitProcessGroupKwargs
 
     helpers.reset_clients()
     plugin = DeepSpeedPlugin(
-        zero_stage=3,
+        zero_stage=stage,
         gradient_accumulation_steps=ACCUMULATION,
         offload_optimizer_device=offload,
         zero3_save_16bit_model=True,
@@ -86,13 +86,15 @@ def run_epoch(accelerator, model, optimizer, loader) -> list:
 class TestAccelerate(DistributedTest):
     world_size = 2
 
-    @pytest.mark.parametrize("offload", ["none", "cpu"], ids=["no_offload", "offload_cpu"])
-    def test_train_state_dict_save_load(self, offload, tmp_path):
+    @pytest.mark.parametrize(
+        "stage, offload", [(3, "none"), (3, "cpu"), (1, "none")], ids=["no_offload", "offload_cpu", "stage1"]
+    )
+    def test_train_state_dict_save_load(self, stage, offload, tmp_path):
         from safetensors.torch import load_file
 
         import deepspeed
 
-        accelerator = make_accelerator(offload)
+        accelerator = make_accelerator(offload, stage)
         model = make_model()
         ref_losses, ref_weights = reference_run(copy.deepcopy(model), epochs=2)
         if offload == "cpu":
@@ -108,11 +110,17 @@ class TestAccelerate(DistributedTest):
             assert block is not None and "cpu" in str(block.device), (
                 f"offload_optimizer not in effect: {block}"
             )
-        assert all(hasattr(p, "ds_id") for p in model.module.parameters()), (
-            "ZeRO-3 did not manage every parameter"
+        assert all(hasattr(p, "ds_id") for p in model.module.parameters()) == (stage == 3), (
+            "ZeRO-3 did not manage every parameter, or a lower stage partitioned them"
         )
+        # Below stage 2, accelerate.accumulate() enters the engine's no_sync() on the micro-steps
+        # that do not sync: they must not reduce, and the syncing one reduces their sum.
+        no_sync_entries = []
+        engine_no_sync = model.no_sync
+        model.no_sync = lambda: (no_sync_entries.append(1), engine_no_sync())[1]
 
         first = run_epoch(accelerator, model, optimizer, loader)
+        assert len(no_sync_entries) == (2 if stage < 2 else 0), no_sync_entries
         state_dir = tmp_path / "state"
         accelerator.save_state(str(state_dir))
         second = run_epoch(accelerator, model, optimizer, loader)
