@@ -558,7 +558,12 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
 
     @property
     def communication_data_type(self) -> torch.dtype:
-        """The dtype gradients are reduced in: the config's `communication_data_type`, else the training dtype."""
+        """The config's `communication_data_type`, else the training dtype (upstream's answer).
+
+        Unset, the reduction itself takes each gradient's own dtype: the training dtype, except
+        at stages 0-1 with accumulation, where a bf16/fp16 model's micro-steps are summed and
+        reduced in fp32 (see [Note: whole gradients accumulate in fp32] in stage_1_and_2.py).
+        """
         if self._config.communication_data_type is not None:
             return self._config.communication_data_type
         return _train_dtype(self._config)
