@@ -315,15 +315,14 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._inside_backward and len(self._stray_grads) < 3:
             self._stray_grads.append(param)  # refused at the next backward or step, see _refuse_stray_grads
-        state = self.optimizer.state_of(param)
         if self.zero_optimization_partition_gradients():
             grad, param.grad = param.grad, None  # the full gradient lives only until it is packed
-            self.reducer.add(state, grad)
+            self.reducer.add(self.optimizer.state_of(param), grad)
         elif self._inside_no_sync or not self.is_gradient_accumulation_boundary():
             # Stages 0-1: accumulate whole until the boundary, as DDP's no_sync, in fp32 (see
             # [Note: whole gradients accumulate in fp32] in stage_1_and_2.py). At the boundary
             # the gradient stays in param.grad: backward reduces them all once it is over.
-            set_aside_grad(state)
+            set_aside_grad(self.optimizer.state_of(param))
 
     @staticmethod
     def _drop_grad(param: nn.Parameter) -> None:

@@ -106,11 +106,12 @@ def make_replicated_shards(module: nn.Module, group: Any = None) -> dict:
 # no_sync) leaves its whole gradient behind. autograd would sum those in `param.grad`, in the
 # parameter's dtype: for bf16 that rounds every sum to 8 bits of mantissa, so the boundary's
 # gradient drifted by 0.5% of its largest element over 8 micro-steps (measured), where
-# stages 2-3 sum reduced shards in fp32. So a low-precision `param.grad` is folded into an fp32 sum after each such
-# micro-step (`set_aside_grad`), and the boundary takes the sum plus its own gradient
-# (`take_whole_grad`), reduced in fp32 unless `communication_data_type` says otherwise. The
-# extra memory, 4 bytes per parameter, lives only between micro-steps (upstream's
-# grad_accum_dtype fp32 optimizer keeps as much); fp32 parameters keep using `param.grad`.
+# stages 2-3 sum reduced shards in fp32. So a low-precision `param.grad` is folded into an
+# fp32 sum after each such micro-step (`set_aside_grad`), and the reduction after the
+# boundary's backward takes the sum plus that backward's gradient (`take_whole_grad`), in
+# fp32 unless `communication_data_type` says otherwise. The extra memory, 4 bytes per
+# parameter, lives only between micro-steps (upstream's grad_accum_dtype fp32 optimizer keeps
+# as much); fp32 parameters keep using `param.grad`.
 
 
 def set_aside_grad(state: ReplicatedShard) -> None:
