@@ -123,7 +123,7 @@ def run_train(opts, log_dir: Path) -> dict:
 
 def run_gather(opts) -> dict:
     began = _section("gather")
-    gargs = bench_gather.parse_args(["--quick"] if opts.quick else ["--reps", "40"])
+    gargs = bench_gather.parse_args(["--quick"] if opts.quick else ["--reps", "200"])
     cfg = {
         "counts": [int(c) for c in gargs.params.split(",")],
         "total_elems": int(gargs.total_mb * 2**20 / 4),

@@ -271,8 +271,9 @@ def _shm_channel(group: Optional[ProcessGroup], *tensors: torch.Tensor) -> Optio
     Made on the group's first eligible collective, which every rank reaches in the same
     order, so making it (three small gloo collectives) is itself collective.
     """
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return None
+    for t in tensors:  # `is_cpu`: no device object made, on a path every gather takes
+        if not t.is_cpu or not t.is_contiguous():
+            return None
     key = _dist.group.WORLD if group is None else group
     channel = _SHM_CHANNELS.get(key, False)
     if channel is not False:

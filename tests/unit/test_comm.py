@@ -461,6 +461,9 @@ def test_single_process_init_without_env(monkeypatch):
 
 
 def test_init_distributed_rejects_half_env(monkeypatch):
+    # Another test in this process may have left a single-rank group up, which init_distributed
+    # would wrap as it is; the check under test runs on the way to making one.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="WORLD_SIZE"):

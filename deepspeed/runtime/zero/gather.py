@@ -59,10 +59,17 @@ def zero_states(params: Iterable) -> list:
     return [seen[k] for k in sorted(ids)]
 
 
+_DEVICES: dict = {}  # device name -> torch.device: each gather asks, and making one costs more than the lookup
+
+
 def _compute_device() -> torch.device:
     from deepspeed.accelerator import get_accelerator
 
-    return torch.device(get_accelerator().current_device_name())
+    name = get_accelerator().current_device_name()  # asked each time: set_device may change it
+    device = _DEVICES.get(name)
+    if device is None:
+        device = _DEVICES[name] = torch.device(name)
+    return device
 
 
 def _buckets_by_group_and_dtype(states: list) -> list:
@@ -77,32 +84,33 @@ def _buckets_by_group_and_dtype(states: list) -> list:
     return list(buckets.values())
 
 
-def _adjacent_end(states: list) -> int:
-    """Where the shards of `states` end in their shared flat buffer, if they lie back to back in one; else -1.
+def _back_to_back(states: list) -> tuple:
+    """`(end, key)` when the shards of `states` (one group) lie back to back in one flat buffer; else `(-1, None)`.
 
-    Init puts each module's shards back to back; the states record which flat buffer their
-    shard is a view of, so this needs no tensor call per shard.
+    `end`: where they end in it; `key`: their ds_ids, which name the run for `FULLS`. Init
+    puts each module's shards back to back, and the states record which flat buffer their
+    shard is a view of, so this needs no tensor call per shard: one pass over the states,
+    the only one between taking the holds and the collective (see `fetch_states`).
     """
     first = states[0]
-    base = getattr(first, "shard_base", None)
-    if base is None:
-        return -1
-    end = first.shard_offset
+    base, group, end = first.shard_base, first.group, first.shard_offset
+    ids = []
     for s in states:
-        if s.shard_base is not base or s.shard_offset != end:
-            return -1
+        if s.shard_base is not base or s.group is not group or s.shard_offset != end:
+            return -1, None
         end += s.partition_size
-    return end
+        ids.append(s.ds_id)
+    return end, tuple(ids)
 
 
 def _flat_input(states: list, device: torch.device, end: Optional[int] = None) -> torch.Tensor:
     """This rank's shards of `states` (one group and dtype), back to back in one 1D tensor on `device`.
 
-    A view of their flat buffer when they lie back to back in one (`end`, see `_adjacent_end`),
+    A view of their flat buffer when they lie back to back in one (`end`, see `_back_to_back`),
     else a concatenation.
     """
     if end is None:
-        end = _adjacent_end(states)
+        end = _back_to_back(states)[0]
     if end < 0:
         return torch.cat([t.shard.to(device, non_blocking=True) for t in states])
     first = states[0]
@@ -232,8 +240,12 @@ class _FullPool:
     def __init__(self) -> None:
         self._free: dict = {}  # (dtype, device) -> [_FullBuffer], smallest buffer first
 
-    def take(self, run: list, dtype: torch.dtype, device: torch.device) -> _FullBuffer:
-        key = tuple(s.ds_id for s in run)
+    def take(
+        self, run: list, dtype: torch.dtype, device: torch.device, key: Optional[tuple] = None
+    ) -> _FullBuffer:
+        """A buffer for `run`'s full tensors; `key`: its ds_ids, when the caller has them."""
+        if key is None:
+            key = tuple(s.ds_id for s in run)
         free = self._free.get((dtype, device))
         if free:
             base = run[0].shard_base
@@ -300,35 +312,37 @@ class _GatherBucket:
     flat_out: Optional[torch.Tensor]  # 1D, [world_size * sum(partition_size)], rank-major
     done: bool
 
-    def __init__(self, states: list) -> None:
+    def __init__(self, states: list, layout: tuple = (-1, None)) -> None:
         self.states = states
         self.flat_out = None
         self._work = None
         self._single: Optional[_FullBuffer] = None  # one parameter: gathered straight into its buffer
         self._filled: Optional[list] = None  # the _FullBuffers a gather that completed on issue filled
-        self._one_run = False  # whether the states' shards lie back to back in one flat buffer
+        # `_back_to_back(states)`: where their shards end in one flat buffer (-1: not one run) and the run's key.
+        self._end, self._key = layout
         self._expected = ZeroParamStatus.INFLIGHT  # the states' status until wait() installs them
         self.done = False
 
     def issue(self, device: torch.device, inflight: bool = True) -> None:
         """Start the all-gather. `inflight=False`: the caller waits at once, so states skip INFLIGHT."""
         states = self.states
-        end = _adjacent_end(states)
-        self._one_run = end >= 0  # one module's shards: one full buffer
-        flat_in = _flat_input(states, device, end)
+        flat_in = _flat_input(states, device, self._end)
         group = states[0].group
         if len(states) == 1:
             # The output is the parameter's full tensor: no copy out.
-            self._single = FULLS.take(states, flat_in.dtype, device)
+            self._single = FULLS.take(states, flat_in.dtype, device, self._key)
             self.flat_out = self._single.flat
             self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=group, async_op=True)
         elif dist.completes_on_issue(group, flat_in):
             # Shared memory: the gather is over when the call returns, so nothing overlaps it
             # and each parameter's columns go straight into its full tensor, with no
             # rank-major buffer between (one copy instead of two).
-            self._filled = _full_buffers(states, self._one_run, flat_in.dtype, device)
-            dests = [d for fb in self._filled for d in fb.dests]
-            sizes = [n for fb in self._filled for n in fb.sizes]
+            self._filled = self._full_buffers(flat_in.dtype, device)
+            if len(self._filled) == 1:
+                dests, sizes = self._filled[0].dests, self._filled[0].sizes
+            else:
+                dests = [d for fb in self._filled for d in fb.dests]
+                sizes = [n for fb in self._filled for n in fb.sizes]
             dist.all_gather_into_columns(dests, sizes, flat_in, group=group)
             self._work = dist.CommHandle()
         else:
@@ -337,6 +351,12 @@ class _GatherBucket:
         self._expected = ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
         if inflight:
             all_to_inflight(states, self)
+
+    def _full_buffers(self, dtype: torch.dtype, device: torch.device) -> list:
+        """One `_FullBuffer` per run of the states (one module's shards), to hold their full tensors."""
+        if self._end >= 0:
+            return [FULLS.take(self.states, dtype, device, self._key)]
+        return [FULLS.take(run, dtype, device) for run in _runs(self.states)]
 
     def wait(self) -> None:
         if self.done:
@@ -348,7 +368,8 @@ class _GatherBucket:
         elif self._filled is not None:
             buffers, self._filled = self._filled, None
         else:
-            buffers = _copy_out(self.flat_out, self.states, self._one_run)
+            buffers = self._full_buffers(self.flat_out.dtype, self.flat_out.device)
+            _copy_out(self.flat_out, buffers, self.states[0].world_size)
             SCRATCH.give_back(self.flat_out)
         if len(buffers) == 1:
             fb = buffers[0]
@@ -365,20 +386,11 @@ class _GatherBucket:
         self.done = True
 
 
-def _full_buffers(states: list, one_run: bool, dtype: torch.dtype, device: torch.device) -> list:
-    """One `_FullBuffer` per run of `states` (sorted by ds_id), to hold their full tensors."""
-    if one_run:
-        return [FULLS.take(states, dtype, device)]
-    return [FULLS.take(run, dtype, device) for run in _runs(states)]
-
-
-def _copy_out(flat_out: torch.Tensor, states: list, one_run: bool) -> list:
-    """`_full_buffers` of `states`, filled from their rank-major all-gather output in one copy."""
-    buffers = _full_buffers(states, one_run, flat_out.dtype, flat_out.device)
+def _copy_out(flat_out: torch.Tensor, buffers: list, world: int) -> None:
+    """Fill `buffers` (`_FullBuffer`s) from the rank-major all-gather output of their runs, in one copy."""
     dests = [d for fb in buffers for d in fb.dests]
     sizes = [n for fb in buffers for n in fb.sizes]
-    torch.split_with_sizes_copy(flat_out.view(states[0].world_size, -1), sizes, dim=1, out=dests)
-    return buffers
+    torch.split_with_sizes_copy(flat_out.view(world, -1), sizes, dim=1, out=dests)
 
 
 def release_unheld(states: list) -> None:
@@ -507,8 +519,14 @@ def fetch_states(states: list, owner: object, async_op: bool = False) -> GatherH
     buckets = []
     if missing:
         device = _compute_device()
-        for group_states in _buckets_by_group_and_dtype(missing):
-            bucket = _GatherBucket(group_states)
+        layout = _back_to_back(missing)  # one module's parameters, usually: one bucket, one run
+        same = [missing] if layout[0] >= 0 else _buckets_by_group_and_dtype(missing)
+        if len(same) == 1:
+            plans = [(missing, layout)]
+        else:
+            plans = [(group_states, _back_to_back(group_states)) for group_states in same]
+        for group_states, layout in plans:
+            bucket = _GatherBucket(group_states, layout)
             bucket.issue(device, inflight=async_op)  # waited on below, before anyone can look
             buckets.append(bucket)
     handle = GatherHandle(buckets + in_flight)

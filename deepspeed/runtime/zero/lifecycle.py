@@ -4,7 +4,7 @@
 Both context classes split `__enter__`/`__exit__` into public `start()`/`stop()` so that a
 gathered block can be written once for ZeRO and non-ZeRO runs. Misuse must be loud in a
 plain single-process run too, so the tracker counts even when the context is disabled or
-holds no ZeRO parameter. It holds no reference to its owner: a `weakref.finalize` on the
+holds no ZeRO parameter. It holds no reference to its owner: a weak reference's callback on the
 owner can then report an object that was started and dropped without `stop()`.
 """
 
@@ -40,13 +40,18 @@ class _LiveRegistry:
     """The one owner of the set of started-but-not-stopped trackers (for `live_contexts()`)."""
 
     def __init__(self) -> None:
-        self._live: dict = {}  # id(tracker) -> tracker; trackers hold no reference to owners
+        # id(the tracker's weak reference to its owner) -> tracker; trackers hold no reference to owners
+        self._live: dict = {}
 
     def add(self, tracker: LifecycleTracker) -> None:
-        self._live[id(tracker)] = tracker
+        self._live[id(tracker.owner_ref)] = tracker
 
     def discard(self, tracker: LifecycleTracker) -> None:
-        self._live.pop(id(tracker), None)
+        self._live.pop(id(tracker.owner_ref), None)
+
+    def pop_for(self, owner_ref: weakref.ref) -> Optional[LifecycleTracker]:
+        """The active tracker whose owner `owner_ref` referred to, now no longer live; None if none is active."""
+        return self._live.pop(id(owner_ref), None)
 
     def snapshot(self) -> list:
         return [(t.description, t.start_site) for t in self._live.values()]
@@ -73,13 +78,18 @@ class LifecycleTracker:
     active: bool
     start_site: Optional[str]  # where the current (or last) start() was called from
     starts: int  # how many times the owner was started, for debugging
+    owner_ref: weakref.ref  # to the owner; the key of this tracker in the registry while active
 
     def __init__(self, owner: object, description: str) -> None:
         self.description = description
         self.active = False
         self.start_site = None
         self.starts = 0
-        weakref.finalize(owner, self._on_owner_collected)
+        # A weak reference with a module-level callback, not `weakref.finalize` (a registry
+        # entry per object, several times the cost, on every GatheredParameters) nor a bound
+        # method (a cycle through this tracker). While the tracker is active, the registry
+        # keeps it, and so this reference, alive: the callback then fires and reports.
+        self.owner_ref = weakref.ref(owner, _owner_collected)
 
     def begin(self) -> None:
         if self.active:
@@ -103,13 +113,15 @@ class LifecycleTracker:
         self.active = False
         _REGISTRY.discard(self)
 
-    def _on_owner_collected(self) -> None:
-        if self.active:
-            _REGISTRY.discard(self)
-            warnings.warn(
-                f"{self.description} was started at {self.start_site} and garbage-collected "
-                "without stop(); its parameters stay gathered or its patches installed. "
-                "Call stop() (or use a `with` block)",
-                ResourceWarning,
-                stacklevel=2,
-            )
+
+def _owner_collected(owner_ref: weakref.ref) -> None:
+    """An owner was garbage-collected: warn if its tracker was still active (started, never stopped)."""
+    tracker = _REGISTRY.pop_for(owner_ref)
+    if tracker is not None:
+        warnings.warn(
+            f"{tracker.description} was started at {tracker.start_site} and garbage-collected "
+            "without stop(); its parameters stay gathered or its patches installed. "
+            "Call stop() (or use a `with` block)",
+            ResourceWarning,
+            stacklevel=2,
+        )

@@ -560,8 +560,9 @@ class GatheredParameters:
             if fwd_module is not None:
                 for s in self._states:
                     register_external_parameter(fwd_module, s.param)
-        self._tracker = LifecycleTracker(self, self._describe())
-        self._hold = GatherHold(self._states, modifier_rank, self._describe())  # see GatherHold
+        description = self._describe()
+        self._tracker = LifecycleTracker(self, description)
+        self._hold = GatherHold(self._states, modifier_rank, description)  # see GatherHold
 
     def _describe(self) -> str:
         flags = "" if self.enabled else ", enabled=False"
