@@ -1,6 +1,7 @@
 """The stage-3 engine on spawned gloo groups against a single-process torch reference."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -198,6 +199,7 @@ class TestEngineFeatures(DistributedTest):
         engine.backward(loss * float("inf"))  # every gradient overflows
         engine.step()
         assert optimizer.overflow and optimizer.loss_scale == scale / 2
+        assert engine.get_global_grad_norm() == float("inf")  # as upstream reports a skipped step
         after = gathered_params(engine.module)
         assert all(torch.equal(before[n], after[n]) for n in before)  # the step was skipped
         assert engine.skipped_steps == 1
@@ -209,10 +211,12 @@ class TestEngineFeatures(DistributedTest):
         assert resumed.skipped_steps == 1, resumed.skipped_steps
         assert resumed_optimizer.loss_scale == scale / 2, (resumed_optimizer.loss_scale, scale)
         assert resumed.global_steps == engine.global_steps
-        for _ in range(2):
+        for clean in range(1, 4):
             engine.backward(engine(my_slice(ids), my_slice(labels)))
             engine.step()
-        assert not optimizer.overflow and optimizer.loss_scale == scale  # grew back after the window
+            # As upstream: the scale grows on the clean step after `loss_scale_window` (2) of them.
+            assert not optimizer.overflow and optimizer.loss_scale == (scale if clean == 3 else scale / 2)
+            assert math.isfinite(engine.get_global_grad_norm())
 
     def test_one_reduce_scatter_per_bucket(self, monkeypatch):
         calls = []  # elements sent per reduce-scatter, packed (gloo) or as blocks (shared memory)

@@ -42,47 +42,43 @@ def test_scale_gradient_hook():
     assert torch.equal(grads[0], torch.full((2,), 4.0)) and grads[1] is None
 
 
-def test_growth_after_scale_window():
-    s = DynamicLossScaler(init_scale=16, scale_window=3)
-    assert s.dynamic and s.loss_scale == 16
-    assert run(s, "......") == [16, 16, 32, 32, 32, 64]
+# Scale trajectories of DeepSpeed 0.19.8's DynamicLossScaler (generated with it, in the
+# upstream benchmark environment): keyword arguments, overflow flags, the scale after each
+# update_scale() and the hysteresis left at the end.
+UPSTREAM_TRAJECTORIES = [
+    (dict(init_scale=2**16, scale_window=2), "xx.....x....",
+     [32768, 16384, 16384, 16384, 32768, 32768, 65536, 32768, 32768, 32768, 65536, 65536], 1),
+    (dict(init_scale=16, scale_window=3), "........", [16, 16, 16, 32, 32, 32, 64, 64], 1),
+    (dict(init_scale=16, scale_window=3), ".x.......", [16, 8, 8, 8, 8, 16, 16, 16, 32], 1),
+    (dict(init_scale=64, scale_window=2, delayed_shift=2), "xx....x.x..x",
+     [64, 32, 32, 32, 64, 64, 64, 64, 32, 32, 32, 16], 1),
+    (dict(init_scale=64, scale_window=2, delayed_shift=2, consecutive_hysteresis=True), "x.x.xx....x.",
+     [64, 64, 64, 64, 64, 32, 32, 32, 64, 64, 64, 64], 2),
+    (dict(init_scale=64, scale_window=100, delayed_shift=3), "xxxx", [64, 64, 32, 16], 1),
+    (dict(init_scale=4, scale_window=1, min_scale=2, raise_error_at_min_scale=False), "xxx..x.",
+     [2, 2, 2, 2, 4, 2, 2], 1),
+]  # fmt: skip
 
 
-def test_overflow_halves_and_restarts_the_window():
-    s = DynamicLossScaler(init_scale=16, scale_window=3)
-    assert run(s, ".x...") == [16, 8, 8, 8, 16]
-    assert s.last_overflow_iter == 1 and s.cur_iter == 5
+@pytest.mark.parametrize("kwargs, flags, scales, hysteresis_left", UPSTREAM_TRAJECTORIES)
+def test_dynamic_scale_follows_upstream(kwargs, flags, scales, hysteresis_left):
+    s = DynamicLossScaler(**kwargs)
+    assert s.dynamic and s.loss_scale == kwargs["init_scale"]
+    assert run(s, flags) == scales
+    assert s.cur_hysteresis == hysteresis_left
+    assert s.cur_iter == len(flags) and s.last_overflow_iter == flags.rfind("x")
+
+
+def test_positional_arguments_in_upstream_order():
+    # DeepSpeed 0.19: (init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis, ...)
+    s = DynamicLossScaler(64, 3, 2, 4, True)
+    assert (s.cur_scale, s.scale_window, s.min_scale, s.delayed_shift) == (64, 3, 2, 4)
+    assert s.consecutive_hysteresis and s.scale_factor == 2.0
 
 
 def test_custom_scale_factor():
     s = DynamicLossScaler(init_scale=81, scale_factor=3.0, scale_window=2)
-    assert run(s, "x..") == [27, 27, 81]
-
-
-def test_hysteresis_delays_halving():
-    s = DynamicLossScaler(init_scale=64, scale_window=100, delayed_shift=3)
-    assert run(s, "xx") == [64, 64]
-    assert s.cur_hysteresis == 1
-    assert run(s, "xx") == [32, 16]  # allowance spent: every further overflow halves
-
-
-def test_hysteresis_without_consecutive_counts_spread_overflows():
-    s = DynamicLossScaler(init_scale=64, scale_window=100, delayed_shift=2)
-    assert run(s, "x.x") == [64, 64, 32]
-
-
-def test_consecutive_hysteresis_resets_on_clean_steps():
-    s = DynamicLossScaler(init_scale=64, scale_window=100, delayed_shift=2, consecutive_hysteresis=True)
-    assert run(s, "x.x.x.") == [64] * 6
-    assert run(s, "xx") == [64, 32]  # two in a row do halve
-
-
-def test_growth_restores_hysteresis():
-    s = DynamicLossScaler(init_scale=64, scale_window=2, delayed_shift=2)
-    assert run(s, "xx") == [64, 32]
-    assert run(s, "..") == [32, 64]
-    assert s.cur_hysteresis == 2
-    assert run(s, "x") == [64]
+    assert run(s, "x...") == [27, 27, 27, 81]
 
 
 def test_min_scale_floor_and_error():

@@ -3,8 +3,8 @@
 fp16 gradients underflow to zero for small values, so the loss is multiplied by a scale
 before `backward()` and the gradients are divided by it before the optimizer step. The
 dynamic scaler keeps the scale as large as it can: it divides the scale on an overflow
-(the step is then skipped by the caller) and multiplies it after `scale_window` clean
-iterations.
+(the step is then skipped by the caller) and multiplies it once `scale_window` clean
+iterations in a row have passed (on the next clean one, DeepSpeed's count).
 
 [Note: hysteresis]
 With `delayed_shift` = k > 1 the scale survives k - 1 overflows before it is divided; the
@@ -107,8 +107,10 @@ class DynamicLossScaler(LossScalerBase):
 
     On an overflow (see [Note: hysteresis]) the scale is divided by `scale_factor`, never
     below `min_scale`; an overflow already at `min_scale` raises `LossScaleAtMinimumError`
-    unless `raise_error_at_min_scale` is False. After `scale_window` iterations without an
-    overflow the scale is multiplied by `scale_factor`.
+    unless `raise_error_at_min_scale` is False. On the clean iteration that follows
+    `scale_window` clean iterations in a row (counted from the last overflow, or from the
+    start), and every `scale_window` clean iterations after it, the scale is multiplied by
+    `scale_factor`, as DeepSpeed does.
     """
 
     cur_iter: int  # update_scale() calls so far
@@ -125,14 +127,17 @@ class DynamicLossScaler(LossScalerBase):
     def __init__(
         self,
         init_scale: float = 2**32,
-        scale_factor: float = 2.0,
         scale_window: int = 1000,
         min_scale: float = 1,
         delayed_shift: int = 1,
         consecutive_hysteresis: bool = False,
         raise_error_at_min_scale: bool = True,
         dtype: torch.dtype = torch.half,
+        *,
+        scale_factor: float = 2.0,
     ) -> None:
+        # Positional order as DeepSpeed 0.19's (which fixes the factor at 2); `scale_factor`
+        # is keyword-only so that a positional `scale_window` cannot land in it.
         super().__init__(init_scale)
         _check_dynamic_args(init_scale, scale_factor, scale_window, min_scale, delayed_shift)
         self.cur_iter = 0
@@ -193,7 +198,11 @@ class DynamicLossScaler(LossScalerBase):
         if self.consecutive_hysteresis:
             # Only consecutive overflows count against the allowance.
             self.cur_hysteresis = self.delayed_shift
-        if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+        # Clean iterations before this one since the last overflow (or the start). DeepSpeed
+        # grows the scale on the iteration after `scale_window` of them, then every
+        # `scale_window`: window 2 grows on the 3rd, 5th, ... clean iteration in a row.
+        clean_before = self.cur_iter - self.last_overflow_iter - 1
+        if clean_before > 0 and clean_before % self.scale_window == 0:
             if not self.consecutive_hysteresis:
                 self.cur_hysteresis = self.delayed_shift
             self.cur_scale *= self.scale_factor

@@ -349,7 +349,7 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         self.overflow = self.config.fp16_enabled and not math.isfinite(scaled_norm)
         if self.overflow:
             self.loss_scaler.update_scale(True)
-            self._global_grad_norm = None
+            self._global_grad_norm = float("inf")  # as upstream reports a skipped step's norm
             return False
         norm = scaled_norm / scale
         self._global_grad_norm = norm
