@@ -30,13 +30,15 @@ from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
 from deepspeed.runtime.zero.param_state import ZeroParamStatus, is_zero_param
 from deepspeed.runtime.zero.partition_parameters import GatherHold, Init, cast_partitioned
-from deepspeed.runtime.zero.stage3 import ZeroStage3Optimizer
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3, ZeroStage3Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import (
+    DeepSpeedZeroOptimizer,
     make_replicated_shards,
     reduce_accumulated_grads,
     refuse_partitioned,
     set_aside_grad,
 )
+from deepspeed.utils import groups
 from deepspeed.utils.logging import logger
 
 
@@ -106,6 +108,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         else:
             self._prepare_replicated_module()
         self._warn_unused_config_blocks(optimizer, lr_scheduler)
+        self.client_optimizer = optimizer  # what the caller passed (upstream's attributes)
+        self.client_lr_scheduler = lr_scheduler
+        self.mpu = mpu
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         if self.optimizer is not None:
             self.optimizer.before_step = self._settle_live_gathers
@@ -231,7 +236,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             "master_device": torch.device("cpu") if on_cpu else None,
             "pin_masters": on_cpu and offload.pin_memory,
         }
-        return ZeroStage3Optimizer(
+        # One wrapper for every stage, under upstream's class name for the stage.
+        wrapper = DeepSpeedZeroOptimizer_Stage3 if self.partitions_weights else DeepSpeedZeroOptimizer
+        return wrapper(
             self.module,
             self._config,
             client,
@@ -572,6 +579,96 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     def zero_offload_param(self) -> Any:
         """The `zero_optimization.offload_param` block (None when not offloading)."""
         return self._config.zero_config.offload_param
+
+    # Upstream's config queries, answered from this engine's config.
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def steps_per_print(self) -> Any:
+        return self._config.steps_per_print
+
+    def optimizer_name(self) -> Optional[str]:
+        return self._config.optimizer_name
+
+    def optimizer_params(self) -> Optional[dict]:
+        return self._config.optimizer_params
+
+    def scheduler_name(self) -> Optional[str]:
+        return self._config.scheduler_name
+
+    def scheduler_params(self) -> Optional[dict]:
+        return self._config.scheduler_params
+
+    def dynamic_loss_scale(self) -> bool:
+        """fp16 with a dynamic scale (`fp16.loss_scale` 0)."""
+        return self.fp16_enabled() and self._config.loss_scale == 0
+
+    def loss_scale(self) -> float:
+        """The config's static `fp16.loss_scale` (0: dynamic); the live scale is the optimizer's `loss_scale`."""
+        return self._config.loss_scale
+
+    def initial_dynamic_scale(self) -> float:
+        return self._config.initial_dynamic_scale
+
+    def dynamic_loss_scale_args(self) -> Optional[dict]:
+        return self._config.dynamic_loss_scale_args
+
+    def postscale_gradients(self) -> bool:
+        return not self._config.prescale_gradients
+
+    def gradient_predivide_factor(self) -> float:
+        return self._config.gradient_predivide_factor
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._config.wall_clock_breakdown
+
+    def memory_breakdown(self) -> bool:
+        return self._config.memory_breakdown
+
+    def zero_reduce_bucket_size(self) -> int:
+        return self._config.zero_config.reduce_bucket_size
+
+    def zero_allgather_bucket_size(self) -> int:
+        return self._config.zero_config.allgather_bucket_size
+
+    def zero_overlap_comm(self) -> bool:
+        return self._config.zero_config.overlap_comm
+
+    def zero_contiguous_gradients(self) -> bool:
+        return self._config.zero_config.contiguous_gradients
+
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer state lives on the CPU (`offload_optimizer.device` cpu)."""
+        offload = self._config.zero_config.offload_optimizer
+        return offload is not None and offload.device == "cpu"
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        return self.zero_cpu_offload()
+
+    def get_batch_info(self) -> tuple:
+        """`(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)`."""
+        return (
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+            self.gradient_accumulation_steps(),
+        )
+
+    def get_data_types(self) -> tuple:
+        """`(model dtype, gradient accumulation dtype)`; gradients accumulate in fp32 here at every stage."""
+        return self.dtype, torch.float32
+
+    @property
+    def dp_world_size(self) -> int:
+        return groups._get_data_parallel_world_size()
+
+    @property
+    def data_parallel_group(self) -> Any:
+        return groups._get_data_parallel_group()
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1 if self.mpu is None else self.mpu.get_model_parallel_world_size()
 
     def get_mom(self) -> list:
         """Per param group: Adam's `betas`, else SGD's `momentum` (upstream's choice)."""

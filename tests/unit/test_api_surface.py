@@ -719,6 +719,25 @@ class TestApiSurfaceDistributed(DistributedTest):
         assert engine.zero_offload_optimizer() is None and engine.zero_offload_param() is None
         assert engine.get_mom() == [(0.8, 0.9)]
         assert engine.skipped_steps == 0
+        # Upstream's config queries and attributes, answered from this config.
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+        assert type(optimizer) is DeepSpeedZeroOptimizer_Stage3
+        assert engine.client_optimizer is None and engine.client_lr_scheduler is None
+        assert engine.optimizer_name() == "adam"  # lower-cased, as upstream
+        assert engine.optimizer_params() == {"lr": 1e-3, "betas": [0.8, 0.9]}
+        assert engine.scheduler_name() is None and engine.scheduler_params() is None
+        assert engine.gradient_clipping() == 0.0 and engine.steps_per_print() == 10
+        assert not engine.dynamic_loss_scale() and engine.loss_scale() == 0
+        assert engine.get_batch_info() == (4, 4 // (2 * dist.get_world_size()), 2)
+        assert engine.get_data_types() == (torch.float32, torch.float32)
+        assert not engine.zero_cpu_offload() and not engine.zero_use_cpu_optimizer()
+        assert engine.zero_reduce_bucket_size() == 500_000_000 == engine.zero_allgather_bucket_size()
+        assert engine.zero_overlap_comm() is not None and engine.zero_contiguous_gradients() is not None
+        assert engine.dp_world_size == dist.get_world_size() and engine.mp_world_size == 1
+        assert dist.get_world_size(engine.data_parallel_group) == dist.get_world_size()
+        assert engine.postscale_gradients() and engine.gradient_predivide_factor() == 1.0
+        assert not engine.wall_clock_breakdown() and not engine.memory_breakdown()
         assert set(engine.module_state_dict()) == set(net.state_dict())
         with pytest.raises(AssertionError, match="no_sync context manager is incompatible .* ZeRO stage 3"):
             with engine.no_sync():

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.param_state import ZeroParamStatus
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from tests.unit.common import DistributedTest
 
 BATCH, WIDTH = 8, 10
@@ -536,10 +537,12 @@ class TestOptimizerOffload(DistributedTest):
         zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
         cfg = sgd_config(zero_optimization=zero)
         del cfg["optimizer"]
-        with pytest.raises(ValueError, match="zero_force_ds_cpu_optimizer"):
+        # Upstream raises ZeRORuntimeException here: code that catches it must still catch ours.
+        with pytest.raises(ZeRORuntimeException, match="zero_force_ds_cpu_optimizer") as refused:
             deepspeed.initialize(
                 model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg
             )
+        assert isinstance(refused.value, ValueError)
         with pytest.raises(ValueError, match="nvme"):
             deepspeed.initialize(
                 model=model,

@@ -14,6 +14,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import zero_to_fp32
 from deepspeed.utils.logging import logger as ds_logger
 from tests.unit.common import DistributedTest
@@ -191,6 +192,8 @@ class TestOptimizerSemantics(DistributedTest):
             config = base_config(optimizer=sgd)
             config["zero_optimization"]["stage"] = stage
             engine, *_ = deepspeed.initialize(model=model, config=config)
+            # Upstream's class name for stages 0-2, which code checks with isinstance.
+            assert type(engine.optimizer) is DeepSpeedZeroOptimizer
             losses = []
             for (ids_a, labels_a), (ids_b, labels_b) in zip(data[::2], data[1::2]):
                 calls = engine.reducer.reduce_calls

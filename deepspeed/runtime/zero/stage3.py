@@ -41,6 +41,7 @@ from deepspeed.runtime.zero.estimators import (  # noqa: F401 - upstream's impor
     estimate_zero3_model_states_mem_needs_all_live,
 )
 from deepspeed.runtime.zero.param_state import ZeroParamState, is_zero_param
+from deepspeed.runtime.zero.utils import ZeROOffloadOptimizerError
 
 # Keys of the config's optimizer params that choose the optimizer rather than configure it:
 # upstream reads and removes them before building one. Every other key goes to the optimizer's
@@ -222,7 +223,7 @@ class ZeroStage3Optimizer(ZeROOptimizer):
                 self.config.optimizer_name, self.config.optimizer_params, groups, self.offload
             )
         if self.offload and self.config.zero_force_ds_cpu_optimizer and not _is_cpu_adam(client):
-            raise ValueError(
+            raise ZeROOffloadOptimizerError(
                 f"zero_optimization.offload_optimizer steps on the CPU, but the client optimizer is "
                 f"{type(client).__name__}; pass deepspeed.ops.adam.DeepSpeedCPUAdam (or use the config's "
                 "optimizer block), or set zero_force_ds_cpu_optimizer: false to step it on the CPU anyway"
@@ -406,3 +407,8 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         self.optimizer.load_state_dict(sd["optimizer"])
         self.loss_scaler.load_state_dict(sd["loss_scaler"])
         self.overflow = sd.get("overflow", False)
+
+
+class DeepSpeedZeroOptimizer_Stage3(ZeroStage3Optimizer):  # noqa: N801 - upstream's name
+    """The engine's optimizer at stage 3, under upstream's class name, so that code checking
+    `isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)` sees what it expects."""

@@ -27,6 +27,7 @@ from torch import nn
 
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.param_state import ZeroParamStatus, shard_sizes
+from deepspeed.runtime.zero.stage3 import ZeroStage3Optimizer
 
 
 class ReplicatedShard:
@@ -172,3 +173,9 @@ from deepspeed.runtime.zero.estimators import (  # noqa: E402, F401
     estimate_zero2_model_states_mem_needs_all_cold,
     estimate_zero2_model_states_mem_needs_all_live,
 )
+
+
+class DeepSpeedZeroOptimizer(ZeroStage3Optimizer):
+    """The engine's optimizer at stages 0-2 (the one wrapper, see the module note), under
+    upstream's class name, so that `isinstance(engine.optimizer, DeepSpeedZeroOptimizer)`
+    answers as it does there."""

@@ -1,0 +1,15 @@
+"""Names DeepSpeed's `deepspeed.runtime.zero.utils` gives callers to catch."""
+
+from __future__ import annotations
+
+
+class ZeRORuntimeException(Exception):
+    """A ZeRO setup that cannot run, by upstream's name (code that catches it keeps working)."""
+
+
+class ZeROOffloadOptimizerError(ZeRORuntimeException, ValueError):
+    """`offload_optimizer` with a client optimizer that does not step on the CPU.
+
+    Both a `ZeRORuntimeException`, as upstream raises here, and a `ValueError`, as the
+    misconfiguration it is.
+    """
