@@ -241,6 +241,23 @@ def test_a_stage_2_or_foreign_file_is_refused_by_name(tmp_path):
         ShardedCheckpoint.open(str(tag))
 
 
+def test_upstream_stage_0_to_2_layout_is_named_not_called_incomplete(tmp_path):
+    from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ShardedCheckpoint
+    from deepspeed.utils import zero_to_fp32
+
+    # Upstream's stage 0-2 files: one model file for every rank, the optimizer split per rank.
+    tag = tmp_path / "global_step5"
+    tag.mkdir()
+    torch.save({"module": {"w": torch.zeros(2)}}, tag / "mp_rank_00_model_states.pt")
+    for rank in range(2):
+        torch.save({"optimizer_state_dict": {}}, tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match="upstream DeepSpeed's ZeRO stage 0-2 layout") as info:
+        ShardedCheckpoint.open(str(tag))
+    assert "zero_to_fp32.py" in str(info.value) and "incomplete" not in str(info.value)
+    (tmp_path / "latest").write_text("global_step5")
+    assert zero_to_fp32.main([str(tmp_path), str(tmp_path / "out.bin")]) == 1
+
+
 class _SaveOurs(DistributedTest):
     """Not collected: run by the test below at world size 2."""
 

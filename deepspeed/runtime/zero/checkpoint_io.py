@@ -397,6 +397,26 @@ def load_checkpoint_file(path: str, trust: bool = False) -> Any:
     return to_plain(obj)
 
 
+# Upstream DeepSpeed's model file at stages 0-2: one for every rank (the full module).
+UPSTREAM_REPLICATED_MODEL_FILE = "mp_rank_00_model_states.pt"
+
+
+def _refuse_upstream_stage_0_to_2(directory: str, first_path: str) -> None:
+    """Name upstream's stage 0-2 layout, which is not read here, rather than call it incomplete."""
+    if os.path.isfile(first_path) or not os.path.isfile(
+        os.path.join(directory, UPSTREAM_REPLICATED_MODEL_FILE)
+    ):
+        return
+    raise CheckpointError(
+        f"{directory}: this is upstream DeepSpeed's ZeRO stage 0-2 layout ({UPSTREAM_REPLICATED_MODEL_FILE} "
+        "with the whole module, the optimizer state split across zero_pp_rank_*_optim_states.pt); this "
+        "package reads upstream's stage-3 checkpoints and its own of every stage, not this layout. To go "
+        "on from its weights, run the zero_to_fp32.py that upstream saved beside it (with upstream "
+        "DeepSpeed) and load the resulting state dict into the model before deepspeed.initialize; the "
+        "optimizer state does not carry over"
+    )
+
+
 def load_file(path: str, what: str, trust: bool = False) -> Any:
     """`load_checkpoint_file`, or raise `CheckpointError` naming the file and `what` it is."""
     if not os.path.isfile(path):
@@ -536,6 +556,7 @@ class ShardedCheckpoint:
         if not os.path.isdir(directory):
             raise CheckpointError(f"{directory}: no such checkpoint directory")
         first_path = os.path.join(directory, model_states_name(0))
+        _refuse_upstream_stage_0_to_2(directory, first_path)
         raw = load_file(first_path, "model states of rank 0", trust)
         if is_upstream_model_states(raw):
             return cls._open_upstream(directory, raw, trust)
