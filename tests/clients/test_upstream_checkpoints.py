@@ -1,4 +1,4 @@
-"""Checkpoints written by upstream DeepSpeed 0.19.8 at stage 3 load here on another number of ranks.
+"""Checkpoints written by upstream DeepSpeed 0.19.8 load here on another number of ranks.
 
 The fixtures in tests/fixtures/upstream/ were written by upstream itself, in its own virtual
 environment (`make_fixtures.py` there says how), on 1 and 2 CPU ranks, in fp32 and bf16. Each
@@ -16,6 +16,11 @@ and every parameter's fp32 master after one more step on a batch every rank saw.
   `after_step` weights are kept in the fixture but not compared.);
 - our `zero_to_fp32` reads the upstream folders directly, with no process group.
 
+Upstream's stage 1 (fp32) and stage 2 (bf16) saves on 2 ranks, in its stage 0-2 layout, load
+here on 1 and 2 ranks at their own stage and at stage 3, with the same checks (upstream's own
+step after its resume is the same distance from plain PyTorch's as at stage 3, so the next
+step is again checked against plain PyTorch from the moments in upstream's files).
+
 When benchmarks/.venv-upstream exists, upstream's own `zero_to_fp32` also reads a checkpoint
 written by this package (the other direction); without it that test is skipped.
 """
@@ -23,6 +28,7 @@ written by this package (the other direction); without it that test is skipped.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -38,6 +44,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "upstream")
 UPSTREAM_PYTHON = os.path.join(REPO, "benchmarks", ".venv-upstream", "bin", "python")
 NAMES = ("fp32_ws1", "fp32_ws2", "bf16_ws1", "bf16_ws2")
+# Upstream's stage 0-2 layout (one model file, flat per-group fp32 partitions), saved on 2 ranks.
+REPLICATED_NAMES = ("fp32_ws2_stage1", "bf16_ws2_stage2")
+
+
+def saving_ranks(name: str) -> int:
+    return int(name.split("_")[1][len("ws") :])
+
+
+def saved_stage(name: str) -> int:
+    return int(name.split("stage")[1]) if "stage" in name else 3
 
 
 def fixture_module():
@@ -54,13 +70,12 @@ def reference(name: str) -> dict:
     return torch.load(os.path.join(FIXTURES, name, "reference.pt"), weights_only=True)
 
 
-def build(fx, dtype: str):
+def build(fx, dtype: str, stage: int = 3):
     import deepspeed
 
-    cfg = fx.config(dtype)
+    cfg = fx.config(dtype, stage)
     torch.manual_seed(99)  # other initial weights than upstream's: all must come from the file
-    with deepspeed.zero.Init(config_dict_or_path=cfg):
-        model = fx.TinyNet()
+    model = fx.build(cfg)  # under zero.Init at stage 3 only, with this package's deepspeed
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=fx.trainable(model), config=cfg)
     return engine
 
@@ -72,8 +87,24 @@ def gathered(module: torch.nn.Module) -> dict:
         return {n: p.data.detach().clone() for n, p in module.named_parameters()}
 
 
+def with_frozen_weights(name: str, consolidated: dict) -> dict:
+    """Upstream's consolidation, plus the frozen weights its stage-1 save leaves out of it.
+
+    At stage 1 upstream writes no `frozen_param_shapes`, and its `zero_to_fp32` then omits the
+    frozen `norm.weight`; the weight is in the model file's module, which is where ours reads
+    it from (at stage 2 upstream records it, and both include it).
+    """
+    if "norm.weight" in consolidated or saved_stage(name) == 3:
+        return consolidated
+    from deepspeed.runtime.zero.checkpoint_io import load_checkpoint_file
+
+    fx = fixture_module()
+    model_sd = load_checkpoint_file(os.path.join(FIXTURES, name, fx.TAG, "mp_rank_00_model_states.pt"))
+    return {**consolidated, "norm.weight": model_sd["module"]["norm.weight"].float()}
+
+
 def check_loaded(engine, ref: dict, name: str, client_state: dict, fx) -> None:
-    expected = ref["consolidated"]
+    expected = with_frozen_weights(name, ref["consolidated"])
     got = gathered(engine.module)
     assert set(got) | {"out.weight"} == set(expected) - {"temperature"}, name
     for key, value in got.items():
@@ -82,53 +113,70 @@ def check_loaded(engine, ref: dict, name: str, client_state: dict, fx) -> None:
     assert torch.equal(expected["out.weight"], expected["embed.weight"])  # tied in upstream's output
     assert torch.equal(engine.module.temperature.float(), expected["temperature"])
     assert client_state == ref["client_state"], name
-    saving_ranks = int(name[-1])
     assert engine.global_steps == fx.TRAIN_STEPS
-    assert engine.global_samples == 2 * saving_ranks * fx.TRAIN_STEPS  # micro batch 2 per saving rank
+    assert engine.global_samples == 2 * saving_ranks(name) * fx.TRAIN_STEPS  # micro batch 2 per saving rank
 
 
-def plain_next_step(name: str, ref: dict, fx) -> dict:
-    """The extra step in plain PyTorch from upstream's files: AdamW with the saved moments, step
-    count, hyperparameters and learning rate, read straight from rank files by `param_shapes`
-    order (the flat layout; see checkpoint_upstream.py), on the consolidated weights."""
+def saved_moments(name: str, fx) -> tuple:
+    """`(trainable names, {name: {exp_avg, exp_avg_sq}}, step, hyperparameters)` read straight
+    from upstream's rank files by `param_shapes` order (the flat layouts of checkpoint_upstream.py's
+    notes): stage 3 concatenates each parameter's shard per rank; stages 0-2 cut the group's
+    flat vector, whose equal parts the ranks hold, parameter after parameter."""
     from deepspeed.runtime.zero.checkpoint_io import load_checkpoint_file
     from deepspeed.runtime.zero.checkpoint_upstream import upstream_optim_path
 
     tag_dir = os.path.join(FIXTURES, name, fx.TAG)
-    ranks = int(name[-1])
-    model_sd = load_checkpoint_file(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    ranks = saving_ranks(name)
+    replicated = saved_stage(name) < 3
+    model_file = "mp_rank_00_model_states.pt" if replicated else "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    model_sd = load_checkpoint_file(os.path.join(tag_dir, model_file))
     zero_sds = [
         load_checkpoint_file(upstream_optim_path(tag_dir, r))["optimizer_state_dict"] for r in range(ranks)
     ]
-    names = list(model_sd["param_shapes"][0])
+    shapes = model_sd["param_shapes"][0]
+    names = list(shapes)
+    torch_sd = zero_sds[0]["base_optimizer_state" if replicated else "optimizer_state_dict"]
+    moments = {n: {} for n in names}
+    for key in ("exp_avg", "exp_avg_sq"):
+        key_of = "base_optimizer_state" if replicated else "optimizer_state_dict"
+        if replicated:
+            flat = torch.cat([z[key_of]["state"][0][key] for z in zero_sds])
+            start = 0
+            for n in names:
+                numel = math.prod(shapes[n])
+                moments[n][key] = flat[start : start + numel].view(shapes[n]).clone()
+                start += numel
+        else:
+            start = 0
+            for n in names:
+                numel = math.prod(shapes[n])
+                size = -(-numel // ranks)  # each rank's shard, padding included
+                flat = torch.cat([z[key_of]["state"][0][key][start : start + size] for z in zero_sds])
+                moments[n][key] = flat[:numel].view(shapes[n]).clone()
+                start += size
+    group = torch_sd["param_groups"][0]
+    hyper = {k: v for k, v in group.items() if k in ("lr", "betas", "eps", "weight_decay")}
+    return names, moments, torch_sd["state"][0]["step"].clone(), hyper
+
+
+def plain_next_step(name: str, ref: dict, fx) -> dict:
+    """The extra step in plain PyTorch from upstream's files: AdamW with the saved moments, step
+    count, hyperparameters and learning rate (`saved_moments`), on the consolidated weights."""
+    names, moments, step, hyper = saved_moments(name, fx)
+    consolidated = with_frozen_weights(name, ref["consolidated"])
     model = fx.TinyNet()
-    model.load_state_dict(ref["consolidated"], strict=False)
+    model.load_state_dict(consolidated, strict=False)
     if name.startswith("bf16"):
         model = model.to(torch.bfloat16)  # the gradient as the bf16 model computes it
     params = dict(model.named_parameters())
     ids, targets = ref["batches"][fx.TRAIN_STEPS]
     model(ids, targets).backward()
-    masters = {n: ref["consolidated"][n].detach().clone().requires_grad_(True) for n in names}
+    masters = {n: consolidated[n].detach().clone().requires_grad_(True) for n in names}
     for n in names:
         masters[n].grad = params[n].grad.float()
-    group = zero_sds[0]["optimizer_state_dict"]["param_groups"][0]
-    hyper = {k: v for k, v in group.items() if k in ("lr", "betas", "eps", "weight_decay")}
     opt = torch.optim.AdamW([masters[n] for n in names], **hyper)
-    offsets, start = {}, 0
     for n in names:
-        size = -(-masters[n].numel() // ranks)  # each rank's shard, padding included
-        offsets[n] = (start, size)
-        start += size
-    for n in names:
-        start, size = offsets[n]
-        state = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            flat = torch.cat(
-                [z["optimizer_state_dict"]["state"][0][key][start : start + size] for z in zero_sds]
-            )
-            state[key] = flat[: masters[n].numel()].view_as(masters[n]).clone()
-        state["step"] = zero_sds[0]["optimizer_state_dict"]["state"][0]["step"].clone()
-        opt.state[masters[n]] = state
+        opt.state[masters[n]] = {**moments[n], "step": step.clone()}
     opt.step()
     return {n: m.detach() for n, m in masters.items()}
 
@@ -150,7 +198,7 @@ def check_next_step(engine, ref: dict, name: str, save_dir: str, fx, bf16: bool)
         ours = get_fp32_state_dict_from_zero_checkpoint(save_dir)
         tol = dict(rtol=0, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
         for key, value in plain_next_step(name, ref, fx).items():
-            torch.testing.assert_close(ours[key], value, **tol, msg=lambda m, k=key: f"{name}: {k}: {m}")
+            torch.testing.assert_close(ours[key], value, **tol, msg=lambda m, k=key, n=name: f"{n}: {k}: {m}")
     dist.barrier()
 
 
@@ -170,18 +218,57 @@ class TestUpstreamCheckpoints(DistributedTest):
             engine.destroy()
 
 
-@pytest.mark.parametrize("name", NAMES)
+class TestUpstreamStage0To2Checkpoints(DistributedTest):
+    """Upstream's stage 1 and 2 saves (2 ranks) resume here on 1 and 2 ranks, at the saved stage
+    and at stage 3, and the next step is upstream's own step after it resumed on 2 ranks."""
+
+    world_size = [1, 2]
+
+    def test_resume_like_upstream(self, tmp_path):
+        from deepspeed import comm as dist
+
+        fx = fixture_module()
+        for name in REPLICATED_NAMES:
+            dtype, ref = name.split("_")[0], reference(name)
+            bf16 = dtype == "bf16"
+            for stage in (saved_stage(name), 3):
+                engine = build(fx, dtype, stage)
+                path, client_state = engine.load_checkpoint(os.path.join(FIXTURES, name))
+                assert path is not None, name
+                check_loaded(engine, ref, name, client_state, fx)
+                ids, targets = ref["batches"][fx.TRAIN_STEPS]
+                loss = engine(ids, targets)
+                engine.backward(loss)
+                engine.step()
+                assert float(loss.detach()) == pytest.approx(ref["resumed_loss"], rel=1e-2 if bf16 else 1e-6)
+                assert engine.get_lr() == pytest.approx(ref["lr_after_resume_step"])
+                save_dir = str(tmp_path / f"resaved_{name}_stage{stage}")
+                engine.save_checkpoint(save_dir)
+                if dist.get_rank() == 0:
+                    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+                    ours = get_fp32_state_dict_from_zero_checkpoint(save_dir)
+                    tol = dict(rtol=0, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
+                    for key, value in plain_next_step(name, ref, fx).items():
+                        torch.testing.assert_close(
+                            ours[key], value, **tol, msg=lambda m, k=key, n=name: f"{n}: {k}: {m}"
+                        )
+                dist.barrier()
+                engine.destroy()
+
+
+@pytest.mark.parametrize("name", NAMES + REPLICATED_NAMES)
 def test_zero_to_fp32_reads_upstream_folders(name, tmp_path):
     from deepspeed.utils import zero_to_fp32
 
-    ref = reference(name)
+    expected = with_frozen_weights(name, reference(name)["consolidated"])
     state_dict = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, name))
-    assert set(state_dict) == set(ref["consolidated"])
-    for key, value in ref["consolidated"].items():
+    assert set(state_dict) == set(expected)
+    for key, value in expected.items():
         assert torch.equal(state_dict[key], value), key
     out = tmp_path / "model.bin"
     assert zero_to_fp32.main([os.path.join(FIXTURES, name), str(out)]) == 0
-    assert set(torch.load(out, weights_only=True)) == set(ref["consolidated"])
+    assert set(torch.load(out, weights_only=True)) == set(expected)
 
 
 def test_upstream_pickled_classes_load_as_plain_data():
@@ -241,21 +328,17 @@ def test_a_stage_2_or_foreign_file_is_refused_by_name(tmp_path):
         ShardedCheckpoint.open(str(tag))
 
 
-def test_upstream_stage_0_to_2_layout_is_named_not_called_incomplete(tmp_path):
-    from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ShardedCheckpoint
-    from deepspeed.utils import zero_to_fp32
+def test_an_upstream_stage_0_to_2_folder_missing_a_rank_names_it(tmp_path):
+    import shutil
 
-    # Upstream's stage 0-2 files: one model file for every rank, the optimizer split per rank.
-    tag = tmp_path / "global_step5"
-    tag.mkdir()
-    torch.save({"module": {"w": torch.zeros(2)}}, tag / "mp_rank_00_model_states.pt")
-    for rank in range(2):
-        torch.save({"optimizer_state_dict": {}}, tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-    with pytest.raises(CheckpointError, match="upstream DeepSpeed's ZeRO stage 0-2 layout") as info:
+    from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ShardedCheckpoint
+
+    fx = fixture_module()
+    tag = tmp_path / fx.TAG
+    shutil.copytree(os.path.join(FIXTURES, "fp32_ws2_stage1", fx.TAG), tag)
+    os.remove(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match=r"stage 0-2 checkpoint of 2 ranks without .* rank\(s\) \[1\]"):
         ShardedCheckpoint.open(str(tag))
-    assert "zero_to_fp32.py" in str(info.value) and "incomplete" not in str(info.value)
-    (tmp_path / "latest").write_text("global_step5")
-    assert zero_to_fp32.main([str(tmp_path), str(tmp_path / "out.bin")]) == 1
 
 
 class _SaveOurs(DistributedTest):

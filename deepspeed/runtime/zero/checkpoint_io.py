@@ -105,6 +105,7 @@ from deepspeed.runtime.zero.checkpoint_upstream import (
     UpstreamFormatError,
     is_upstream_model_states,
     normalize_upstream,
+    stage_0_to_2_as_stage_3,
     to_plain,
     upstream_optim_path,
 )
@@ -397,24 +398,8 @@ def load_checkpoint_file(path: str, trust: bool = False) -> Any:
     return to_plain(obj)
 
 
-# Upstream DeepSpeed's model file at stages 0-2: one for every rank (the full module).
+# Upstream DeepSpeed's model file at stages 0-2: one for every rank (the whole module).
 UPSTREAM_REPLICATED_MODEL_FILE = "mp_rank_00_model_states.pt"
-
-
-def _refuse_upstream_stage_0_to_2(directory: str, first_path: str) -> None:
-    """Name upstream's stage 0-2 layout, which is not read here, rather than call it incomplete."""
-    if os.path.isfile(first_path) or not os.path.isfile(
-        os.path.join(directory, UPSTREAM_REPLICATED_MODEL_FILE)
-    ):
-        return
-    raise CheckpointError(
-        f"{directory}: this is upstream DeepSpeed's ZeRO stage 0-2 layout ({UPSTREAM_REPLICATED_MODEL_FILE} "
-        "with the whole module, the optimizer state split across zero_pp_rank_*_optim_states.pt); this "
-        "package reads upstream's stage-3 checkpoints and its own of every stage, not this layout. To go "
-        "on from its weights, run the zero_to_fp32.py that upstream saved beside it (with upstream "
-        "DeepSpeed) and load the resulting state dict into the model before deepspeed.initialize; the "
-        "optimizer state does not carry over"
-    )
 
 
 def load_file(path: str, what: str, trust: bool = False) -> Any:
@@ -556,7 +541,9 @@ class ShardedCheckpoint:
         if not os.path.isdir(directory):
             raise CheckpointError(f"{directory}: no such checkpoint directory")
         first_path = os.path.join(directory, model_states_name(0))
-        _refuse_upstream_stage_0_to_2(directory, first_path)
+        replicated = os.path.join(directory, UPSTREAM_REPLICATED_MODEL_FILE)
+        if not os.path.isfile(first_path) and os.path.isfile(replicated):
+            return cls._open_upstream_replicated(directory, replicated, trust)
         raw = load_file(first_path, "model states of rank 0", trust)
         if is_upstream_model_states(raw):
             return cls._open_upstream(directory, raw, trust)
@@ -610,6 +597,49 @@ class ShardedCheckpoint:
                 optim_sds.append(load_file(path, f"optimizer states of rank {r}", trust))
                 optim_paths[r] = path
         paths = [(os.path.join(directory, model_states_name(r)), optim_paths[r]) for r in range(world)]
+        return cls._from_upstream(directory, model_sds, optim_sds, optim_paths, paths)
+
+    @classmethod
+    def _open_upstream_replicated(cls, directory: str, model_path: str, trust: bool) -> ShardedCheckpoint:
+        """A tag folder written by upstream DeepSpeed at stage 0, 1 or 2 (see [Note: upstream's
+        stage 0-2 layout] in checkpoint_upstream.py): read as the stage-3 files it amounts to."""
+        model_sd = load_file(model_path, "model states (upstream stage 0-2)", trust)
+        world = model_sd.get("dp_world_size") if isinstance(model_sd, dict) else None
+        if not isinstance(world, int) or world < 1:
+            raise CheckpointError(
+                f"{model_path}: invalid 'dp_world_size' {world!r} (upstream DeepSpeed file)"
+            )
+        if model_sd.get("mp_world_size", 1) != 1:
+            raise CheckpointError(
+                f"{model_path}: saved with model parallelism ({model_sd['mp_world_size']} ranks); only "
+                "data-parallel ZeRO checkpoints can be loaded"
+            )
+        optim_paths = [upstream_optim_path(directory, r) for r in range(world)]
+        missing = [r for r, path in enumerate(optim_paths) if path is None]
+        if missing:
+            raise CheckpointError(
+                f"{directory}: upstream stage 0-2 checkpoint of {world} ranks without the optimizer states "
+                f"of rank(s) {missing} (zero_pp_rank_<r>_mp_rank_00_optim_states.pt), which hold its fp32 "
+                "weights; the checkpoint is incomplete"
+            )
+        optim_sds = [
+            load_file(path, f"optimizer states of rank {r}", trust) for r, path in enumerate(optim_paths)
+        ]
+        try:
+            model_sds, optim_sds = stage_0_to_2_as_stage_3(model_sd, optim_sds, optim_paths)
+        except (UpstreamFormatError, KeyError, TypeError, AttributeError, IndexError) as err:
+            raise CheckpointError(
+                f"{directory}: cannot read this upstream DeepSpeed checkpoint: {err}"
+            ) from err
+        paths = [(model_path, optim_paths[r]) for r in range(world)]
+        return cls._from_upstream(directory, model_sds, optim_sds, optim_paths, paths)
+
+    @classmethod
+    def _from_upstream(
+        cls, directory: str, model_sds: list, optim_sds: Optional[list], optim_paths: list, paths: list
+    ) -> ShardedCheckpoint:
+        """Our checkpoint from upstream's stage-3 dicts, one per saving rank (`paths`: their files)."""
+        world = len(model_sds)
         try:
             model_states, optim_states = normalize_upstream(directory, model_sds, optim_sds, paths)
         except (UpstreamFormatError, KeyError, TypeError, AttributeError) as err:
@@ -624,7 +654,7 @@ class ShardedCheckpoint:
                     f"{optim_paths[r]}: partitioned over {count} ranks but {world} model files say "
                     f"{world}; the files were mixed up"
                 )
-        version = first.get("ds_version")
+        version = model_sds[0].get("ds_version")
         ckpt = cls(directory, model_states, optim_states, optim_paths, origin=f"upstream DeepSpeed {version}")
         ckpt._check_headers()
         ckpt._check_shards()

@@ -35,6 +35,7 @@ model file that upstream did not write itself is the client state.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from typing import Any, Optional
@@ -93,8 +94,13 @@ class UpstreamLossScaler(_PickledState):
     """Stand-in for upstream's `LossScaler` / `DynamicLossScaler`."""
 
 
+class UpstreamFragmentAddress(_PickledState):
+    """Stand-in for upstream's `fragment_address` (numel, start), in its stage 0-2 files."""
+
+
 UPSTREAM_GLOBALS = {
     "deepspeed.runtime.zero.config.ZeroStageEnum": _zero_stage,
+    "deepspeed.utils.tensor_fragment.fragment_address": UpstreamFragmentAddress,
     "deepspeed.runtime.fp16.loss_scaler.LossScaler": UpstreamLossScaler,
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": UpstreamLossScaler,
     "deepspeed.runtime.fp16.loss_scaler.LossScalerBase": UpstreamLossScaler,
@@ -317,3 +323,140 @@ def normalize_upstream(directory: str, model_sds: list, optim_sds: Optional[list
                 f"{len(trainable)} trainable parameters are in those files"
             )
     return model_states, optim_states
+
+
+# ============================================================================ stages 0-2
+
+# [Note: upstream's stage 0-2 layout]
+# Saved on N ranks at stage 0, 1 or 2, upstream writes one model file for every rank,
+# `mp_rank_00_model_states.pt`, whose `module` is the whole state dict in the model dtype
+# (frozen parameters and buffers included), and per rank r an optim-states file whose
+# `optimizer_state_dict` holds, per param group g, `single_partition_of_fp32_groups[g]`:
+# rank r's equal part of the group's flattened fp32 parameters. Put back to back over the
+# ranks, the parts are the group's flat vector: each parameter of `param_shapes[g]` in turn,
+# followed by its `param_alignment_paddings[g][i]` elements (zero when absent), then the
+# group's tail padding. The wrapped torch optimizer's state (`base_optimizer_state`, keyed by
+# group, its params the flat parts) is cut the same way. `stage_0_to_2_as_stage_3` rewrites
+# these dicts into the stage-3 layout above (each parameter's shard per rank under the
+# stage-3 shard math, frozen parameters as fragments), so `normalize_upstream` and
+# everything after it stay one code path.
+
+
+def _shard(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s stage-3 shard of the flat `full` (zero-padded to a multiple of `world_size`)."""
+    size = -(-full.numel() // world_size)
+    piece = full[rank * size : (rank + 1) * size]
+    if piece.numel() < size:
+        piece = torch.cat([piece, full.new_zeros(size - piece.numel())])
+    return piece
+
+
+def _group_pieces(flat: torch.Tensor, shapes: dict, paddings: list, where: str) -> dict:
+    """Each parameter's flat slice of one group's whole flat vector (see the note above)."""
+    out, offset = {}, 0
+    for i, (name, shape) in enumerate(shapes.items()):
+        numel = math.prod(int(d) for d in shape)
+        if offset + numel > flat.numel():
+            raise UpstreamFormatError(
+                f"{where}: the group's flat vector has {flat.numel()} elements; its parameters up to "
+                f"{name!r} need {offset + numel}"
+            )
+        out[name] = flat[offset : offset + numel]
+        offset += numel + (int(paddings[i]) if i < len(paddings) else 0)
+    return out
+
+
+def stage_0_to_2_as_stage_3(model_sd: dict, optim_sds: list, paths: list) -> tuple:
+    """`(model_sds, optim_sds)` per saving rank in upstream's stage-3 layout from a stage 0-2 save.
+
+    `model_sd`: the one `mp_rank_00_model_states.pt`; `optim_sds[r]`: rank r's optim file;
+    `paths[r]`: its path, for messages. Raises `UpstreamFormatError`.
+    """
+    world = len(optim_sds)
+    zero_sds = []
+    for r, sd in enumerate(optim_sds):
+        zero_sd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+        if not isinstance(zero_sd, dict) or "single_partition_of_fp32_groups" not in zero_sd:
+            raise UpstreamFormatError(
+                f"{paths[r]}: no 'single_partition_of_fp32_groups' (not a stage 0-2 file)"
+            )
+        counts = zero_sd.get("partition_count", world)
+        counts = counts if isinstance(counts, (list, tuple)) else [counts]
+        if any(int(c) != world for c in counts):
+            raise UpstreamFormatError(
+                f"{paths[r]}: partitioned over {counts} ranks, but {world} optim files exist"
+            )
+        zero_sds.append(zero_sd)
+    cfg = model_sd.get("ds_config") or {}
+    if (cfg.get("zero_optimization") or {}).get("round_robin_gradients"):
+        raise UpstreamFormatError(
+            f"{paths[0]}: saved with zero_optimization.round_robin_gradients, whose flat order is not "
+            "recorded in the files"
+        )
+    groups = model_sd.get("param_shapes")
+    groups = [groups] if isinstance(groups, dict) else groups
+    if not isinstance(groups, list) or len(groups) != len(zero_sds[0]["single_partition_of_fp32_groups"]):
+        raise UpstreamFormatError(f"{paths[0]}: 'param_shapes' does not match the optimizer's param groups")
+    paddings = zero_sds[0].get("param_alignment_paddings") or [[] for _ in groups]
+    base = [sd.get("base_optimizer_state") for sd in zero_sds]
+    if not all(isinstance(b, dict) and "state" in b and "param_groups" in b for b in base):
+        raise UpstreamFormatError(
+            f"{paths[0]}: 'base_optimizer_state' is not a torch optimizer state dict (an elastic "
+            "stage 0-2 checkpoint?); save it again with zero_optimization.elastic_checkpoint false"
+        )
+    # Whole flat vectors per group: the fp32 weights and each per-element optimizer state.
+    fp32 = {}  # name -> full flat fp32
+    state_full: dict = {}  # name -> {key: full flat}
+    scalars: list = []  # per group: {key: value} of state that is not per element
+    for g, shapes in enumerate(groups):
+        where = f"{paths[0]} (param group {g})"
+        parts = [sd["single_partition_of_fp32_groups"][g].reshape(-1) for sd in zero_sds]
+        fp32.update(_group_pieces(torch.cat(parts), shapes, paddings[g], where))
+        index = base[0]["param_groups"][g]["params"][0]
+        per_key, plain = {}, {}
+        for key, value in base[0]["state"].get(index, {}).items():
+            if torch.is_tensor(value) and value.dim() == 1 and value.numel() == parts[0].numel():
+                whole = torch.cat([b["state"][index][key].reshape(-1) for b in base])
+                per_key[key] = _group_pieces(whole, shapes, paddings[g], where)
+            else:
+                plain[key] = value
+        scalars.append(plain)
+        for name in shapes:
+            state_full[name] = {key: pieces[name] for key, pieces in per_key.items()}
+    trainable = {name for shapes in groups for name in shapes}
+    module = model_sd.get("module") or {}
+    buffers = set(model_sd.get("buffer_names") or [])
+    shared = set((model_sd.get("shared_params") or {}).keys())
+    frozen = {n: t for n, t in module.items() if n not in trainable and n not in buffers and n not in shared}
+    model_sds, stage3_optim = [], []
+    for r in range(world):
+        sd = dict(model_sd)
+        sd["frozen_param_shapes"] = OrderedDict((n, t.shape) for n, t in frozen.items())
+        sd["frozen_param_fragments"] = {n: _shard(t.reshape(-1), r, world) for n, t in frozen.items()}
+        sd["dp_world_size"] = world
+        model_sds.append(sd)
+        flats, state = [], {}
+        for g, shapes in enumerate(groups):
+            flats.append(torch.cat([_shard(fp32[n], r, world) for n in shapes]))
+            keys = state_full[next(iter(shapes))].keys() if shapes else []
+            entry = {k: torch.cat([_shard(state_full[n][k], r, world) for n in shapes]) for k in keys}
+            entry.update(scalars[g])
+            state[g] = entry
+        param_groups = []
+        for g, group in enumerate(base[r]["param_groups"]):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            hyper["params"] = [g]
+            param_groups.append(hyper)
+        stage3_optim.append(
+            {
+                "optimizer_state_dict": {
+                    "zero_stage": 3,
+                    "partition_count": world,
+                    "fp32_flat_groups": flats,
+                    "optimizer_state_dict": {"state": state, "param_groups": param_groups},
+                    "loss_scaler": zero_sds[r].get("loss_scaler"),
+                    "overflow": zero_sds[r].get("overflow", False),
+                }
+            }
+        )
+    return model_sds, stage3_optim
