@@ -723,6 +723,9 @@ class TestApiSurfaceDistributed(DistributedTest):
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
         assert type(optimizer) is DeepSpeedZeroOptimizer_Stage3
+        assert not optimizer.dynamic_loss_scale and optimizer.clip_grad == 0.0 and not optimizer.cpu_offload
+        assert optimizer.partition_count == dist.get_world_size()
+        assert dist.get_world_size(optimizer.dp_process_group) == dist.get_world_size()
         assert engine.client_optimizer is None and engine.client_lr_scheduler is None
         assert engine.optimizer_name() == "adam"  # lower-cased, as upstream
         assert engine.optimizer_params() == {"lr": 1e-3, "betas": [0.8, 0.9]}

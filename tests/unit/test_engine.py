@@ -194,6 +194,7 @@ class TestEngineFeatures(DistributedTest):
         engine, optimizer, _, _ = deepspeed.initialize(model=TinyLM(), config=cfg)
         ids, labels = batches(1)[0]
         scale = optimizer.loss_scale
+        assert optimizer.dynamic_loss_scale and engine.dynamic_loss_scale()
         before = gathered_params(engine.module)
         loss = engine(my_slice(ids), my_slice(labels))
         engine.backward(loss * float("inf"))  # every gradient overflows

@@ -280,6 +280,30 @@ class ZeroStage3Optimizer(ZeROOptimizer):
     def cur_scale(self) -> float:
         return self.loss_scaler.loss_scale
 
+    # Upstream's optimizer attributes that callers read, answered from this wrapper.
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scaler.dynamic
+
+    @property
+    def clip_grad(self) -> float:
+        return self.clip
+
+    @property
+    def dp_process_group(self) -> Any:
+        """The group the masters are partitioned over (None: the world)."""
+        return self.group
+
+    @property
+    def partition_count(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def cpu_offload(self) -> bool:
+        """Whether the masters and the optimizer state live on the CPU (`offload_optimizer`)."""
+        return self.offload
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard every gradient so far: free (or zero) the reduced fp32 shards, which between
         steps would cost 4 bytes/parameter, and the parameters' own `.grad`, where stages 0-1
