@@ -328,6 +328,35 @@ def test_a_stage_2_or_foreign_file_is_refused_by_name(tmp_path):
         ShardedCheckpoint.open(str(tag))
 
 
+@pytest.mark.parametrize("name", ["fp32_ws2", "fp32_ws2_stage1"])
+def test_upstream_counters_come_across(name):
+    """Upstream's `skipped_steps` (fp16 overflows) is the engine's count after a load, at every stage."""
+    from deepspeed.runtime.zero.checkpoint_io import load_checkpoint_file
+    from deepspeed.runtime.zero.checkpoint_upstream import (
+        normalize_upstream,
+        stage_0_to_2_as_stage_3,
+        upstream_optim_path,
+    )
+
+    fx = fixture_module()
+    tag = os.path.join(FIXTURES, name, fx.TAG)
+    optim_paths = [upstream_optim_path(tag, r) for r in range(2)]
+    optim_sds = [load_checkpoint_file(path) for path in optim_paths]
+    if saved_stage(name) == 3:
+        model_sds = [
+            load_checkpoint_file(os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+            for r in range(2)
+        ]
+    else:
+        model_sd = load_checkpoint_file(os.path.join(tag, "mp_rank_00_model_states.pt"))
+        model_sds, optim_sds = stage_0_to_2_as_stage_3(model_sd, optim_sds, optim_paths)
+    for sd in model_sds:
+        sd["skipped_steps"] = 3  # as an fp16 run that overflowed three times writes it
+    model_states, _ = normalize_upstream(tag, model_sds, optim_sds, [(p, p) for p in optim_paths])
+    assert [m["skipped_steps"] for m in model_states] == [3, 3]
+    assert [m["global_steps"] for m in model_states] == [fx.TRAIN_STEPS] * 2
+
+
 def test_an_upstream_stage_0_to_2_folder_missing_a_rank_names_it(tmp_path):
     import shutil
 

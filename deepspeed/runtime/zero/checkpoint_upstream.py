@@ -292,6 +292,7 @@ def _model_states(
         "buffers": buffers,
         "global_steps": global_steps,
         "global_samples": int(model_sd.get("global_samples", 0)),
+        "skipped_steps": int(model_sd.get("skipped_steps", 0) or 0),
         "micro_steps": global_steps * (gas if isinstance(gas, int) else 1),
         "lr_scheduler": model_sd.get("lr_scheduler"),
         "client_state": {k: v for k, v in model_sd.items() if k not in UPSTREAM_ENGINE_KEYS},
