@@ -668,7 +668,11 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
 
     @property
     def mp_world_size(self) -> int:
-        return 1 if self.mpu is None else self.mpu.get_model_parallel_world_size()
+        """The mpu's model-parallel size; 1 without one, or with an mpu that has no model parallelism."""
+        # Not `self.mpu.get_model_parallel_world_size()` unguarded: an AttributeError raised in a
+        # property is reported by `__getattr__` as the wrapped module lacking `mp_world_size`.
+        size = getattr(self.mpu, "get_model_parallel_world_size", None)
+        return 1 if size is None else int(size())
 
     def get_mom(self) -> list:
         """Per param group: Adam's `betas`, else SGD's `momentum` (upstream's choice)."""

@@ -39,6 +39,7 @@ from typing import Optional, Union
 import torch
 
 from deepspeed.runtime.zero.checkpoint_io import (
+    UPSTREAM_REPLICATED_MODEL_FILE,
     CheckpointError,
     ShardedCheckpoint,
     atomic_save_to_path,
@@ -76,7 +77,7 @@ def get_model_state_file(checkpoint_dir: str, zero_stage: int) -> str:
     """The model-states file a tag folder's readers start from (rank 0's, for ZeRO-3)."""
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
-    name = "mp_rank_00_model_states.pt" if zero_stage <= 2 else model_states_name(0)
+    name = UPSTREAM_REPLICATED_MODEL_FILE if zero_stage <= 2 else model_states_name(0)
     path = os.path.join(checkpoint_dir, name)
     if not os.path.exists(path):
         raise FileNotFoundError(f"can't find model states file at '{path}'")
@@ -104,7 +105,9 @@ def _tag_dir(checkpoint_dir: str, tag: Optional[str]) -> str:
     if tag is None:
         tag = read_latest(checkpoint_dir)
         if tag is None:
-            if os.path.isfile(os.path.join(checkpoint_dir, model_states_name(0))):
+            own_or_stage_3 = os.path.join(checkpoint_dir, model_states_name(0))
+            upstream_stage_0_to_2 = os.path.join(checkpoint_dir, UPSTREAM_REPLICATED_MODEL_FILE)
+            if os.path.isfile(own_or_stage_3) or os.path.isfile(upstream_stage_0_to_2):
                 return checkpoint_dir  # pointed at a tag folder itself
             raise ValueError(
                 f"Unable to find 'latest' file at {os.path.join(checkpoint_dir, 'latest')}; pass tag= "

@@ -357,6 +357,49 @@ def test_upstream_counters_come_across(name):
     assert [m["global_steps"] for m in model_states] == [fx.TRAIN_STEPS] * 2
 
 
+def test_round_robin_saves_are_read_in_the_recorded_order():
+    """Upstream writes `param_shapes` and the alignment paddings in the flat (round-robin) order, so
+    a save made with `round_robin_gradients` reads like any other (as upstream's zero_to_fp32 does)."""
+    from deepspeed.runtime.zero.checkpoint_io import load_checkpoint_file
+    from deepspeed.runtime.zero.checkpoint_upstream import stage_0_to_2_as_stage_3, upstream_optim_path
+
+    fx = fixture_module()
+    tag = os.path.join(FIXTURES, "fp32_ws2_stage1", fx.TAG)
+    model_sd = load_checkpoint_file(os.path.join(tag, "mp_rank_00_model_states.pt"))
+    model_sd["ds_config"]["zero_optimization"]["round_robin_gradients"] = True
+    paths = [upstream_optim_path(tag, r) for r in range(2)]
+    model_sds, optim_sds = stage_0_to_2_as_stage_3(model_sd, [load_checkpoint_file(p) for p in paths], paths)
+    assert len(model_sds) == len(optim_sds) == 2
+
+
+def test_an_upstream_stage_0_save_is_named(tmp_path):
+    from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ShardedCheckpoint
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # Upstream's stage 0: one file with the whole module and torch optimizer state, no ZeRO files.
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    model = {
+        "module": {"w": torch.zeros(2)},
+        "optimizer": {"state": {}, "param_groups": []},
+        "param_shapes": None,
+    }
+    torch.save({**model, "dp_world_size": 2, "mp_world_size": 1}, tag / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match="stage-0 layout .* load its 'module' state dict"):
+        ShardedCheckpoint.open(str(tag))
+    with pytest.raises(CheckpointError, match="stage-0 layout"):
+        get_fp32_state_dict_from_zero_checkpoint(str(tag))  # a tag folder without `latest` above it
+
+
+def test_zero_to_fp32_takes_an_upstream_stage_0_to_2_tag_folder():
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    fx = fixture_module()
+    expected = with_frozen_weights("fp32_ws2_stage1", reference("fp32_ws2_stage1")["consolidated"])
+    got = get_fp32_state_dict_from_zero_checkpoint(os.path.join(FIXTURES, "fp32_ws2_stage1", fx.TAG))
+    assert set(got) == set(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+
+
 def test_an_upstream_stage_0_to_2_folder_missing_a_rank_names_it(tmp_path):
     import shutil
 

@@ -368,6 +368,19 @@ def test_pipeline_module_single_stage_is_sequential():
     torch.testing.assert_close(pipe(x), seq[2](seq[1](seq[0](x)) * 2))
 
 
+def test_mp_world_size_from_the_mpu():
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    size = DeepSpeedEngine.mp_world_size.fget
+    assert size(SimpleNamespace(mpu=None)) == 1
+    assert size(SimpleNamespace(mpu=SimpleNamespace(get_model_parallel_world_size=lambda: 4))) == 4
+    assert (
+        size(SimpleNamespace(mpu=SimpleNamespace(get_data_parallel_world_size=lambda: 2))) == 1
+    )  # data parallel only
+
+
 def test_engine_optimizer_base_class():
     from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
     from deepspeed.runtime.zero.stage3 import ZeroStage3Optimizer

@@ -616,6 +616,13 @@ class ShardedCheckpoint:
             )
         optim_paths = [upstream_optim_path(directory, r) for r in range(world)]
         missing = [r for r, path in enumerate(optim_paths) if path is None]
+        if len(missing) == world and model_sd.get("param_shapes") is None:
+            raise CheckpointError(
+                f"{model_path}: upstream DeepSpeed's stage-0 layout (no ZeRO: the whole model and torch "
+                "optimizer state in this one file), which this package does not read; load its 'module' "
+                "state dict into the model before deepspeed.initialize (the optimizer state does not "
+                "carry over), or save it again at ZeRO stage 1, 2 or 3"
+            )
         if missing:
             raise CheckpointError(
                 f"{directory}: upstream stage 0-2 checkpoint of {world} ranks without the optimizer states "

@@ -336,7 +336,9 @@ def normalize_upstream(directory: str, model_sds: list, optim_sds: Optional[list
 # rank r's equal part of the group's flattened fp32 parameters. Put back to back over the
 # ranks, the parts are the group's flat vector: each parameter of `param_shapes[g]` in turn,
 # followed by its `param_alignment_paddings[g][i]` elements (zero when absent), then the
-# group's tail padding. The wrapped torch optimizer's state (`base_optimizer_state`, keyed by
+# group's tail padding. Both lists are in the flat order, also with `round_robin_gradients`
+# (upstream writes them from its reordered groups). At stage 0 upstream writes no optim
+# files (the whole torch optimizer state sits in the model file); that layout is refused. The wrapped torch optimizer's state (`base_optimizer_state`, keyed by
 # group, its params the flat parts) is cut the same way. `stage_0_to_2_as_stage_3` rewrites
 # these dicts into the stage-3 layout above (each parameter's shard per rank under the
 # stage-3 shard math, frozen parameters as fragments), so `normalize_upstream` and
@@ -388,12 +390,6 @@ def stage_0_to_2_as_stage_3(model_sd: dict, optim_sds: list, paths: list) -> tup
                 f"{paths[r]}: partitioned over {counts} ranks, but {world} optim files exist"
             )
         zero_sds.append(zero_sd)
-    cfg = model_sd.get("ds_config") or {}
-    if (cfg.get("zero_optimization") or {}).get("round_robin_gradients"):
-        raise UpstreamFormatError(
-            f"{paths[0]}: saved with zero_optimization.round_robin_gradients, whose flat order is not "
-            "recorded in the files"
-        )
     groups = model_sd.get("param_shapes")
     groups = [groups] if isinstance(groups, dict) else groups
     if not isinstance(groups, list) or len(groups) != len(zero_sds[0]["single_partition_of_fp32_groups"]):
