@@ -659,12 +659,15 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         return self.dtype, torch.float32
 
     @property
-    def dp_world_size(self) -> int:
-        return groups._get_data_parallel_world_size()
+    def data_parallel_group(self) -> Any:
+        """The group this engine partitions and reduces over: its optimizer's (from `zero.Init`'s
+        group or an `mpu`'s data-parallel group at stage 3), else the default data-parallel group."""
+        group = getattr(self.optimizer, "dp_process_group", None)
+        return group if group is not None else groups._get_data_parallel_group()
 
     @property
-    def data_parallel_group(self) -> Any:
-        return groups._get_data_parallel_group()
+    def dp_world_size(self) -> int:
+        return dist.get_world_size(self.data_parallel_group)
 
     @property
     def mp_world_size(self) -> int:
