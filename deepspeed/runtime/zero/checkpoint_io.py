@@ -402,6 +402,19 @@ def load_checkpoint_file(path: str, trust: bool = False) -> Any:
 UPSTREAM_REPLICATED_MODEL_FILE = "mp_rank_00_model_states.pt"
 
 
+def _upstream_saving_world(model_sd: Any, path: str) -> int:
+    """The data-parallel size an upstream model file was saved on; refuses model parallelism."""
+    world = model_sd.get("dp_world_size") if isinstance(model_sd, dict) else None
+    if not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"{path}: invalid 'dp_world_size' {world!r} (upstream DeepSpeed file)")
+    if model_sd.get("mp_world_size", 1) != 1:
+        raise CheckpointError(
+            f"{path}: saved with model parallelism ({model_sd['mp_world_size']} ranks); only "
+            "data-parallel ZeRO checkpoints can be loaded"
+        )
+    return world
+
+
 def load_file(path: str, what: str, trust: bool = False) -> Any:
     """`load_checkpoint_file`, or raise `CheckpointError` naming the file and `what` it is."""
     if not os.path.isfile(path):
@@ -573,17 +586,7 @@ class ShardedCheckpoint:
     @classmethod
     def _open_upstream(cls, directory: str, first: dict, trust: bool) -> ShardedCheckpoint:
         """A tag folder written by upstream DeepSpeed at stage 3 (see checkpoint_upstream.py)."""
-        first_path = os.path.join(directory, model_states_name(0))
-        world = first.get("dp_world_size")
-        if not isinstance(world, int) or world < 1:
-            raise CheckpointError(
-                f"{first_path}: invalid 'dp_world_size' {world!r} (upstream DeepSpeed file)"
-            )
-        if first.get("mp_world_size", 1) != 1:
-            raise CheckpointError(
-                f"{first_path}: saved with model parallelism ({first['mp_world_size']} ranks); only "
-                "data-parallel ZeRO-3 checkpoints can be loaded"
-            )
+        world = _upstream_saving_world(first, os.path.join(directory, model_states_name(0)))
         model_sds = [first]
         for r in range(1, world):
             path = os.path.join(directory, model_states_name(r))
@@ -604,16 +607,7 @@ class ShardedCheckpoint:
         """A tag folder written by upstream DeepSpeed at stage 0, 1 or 2 (see [Note: upstream's
         stage 0-2 layout] in checkpoint_upstream.py): read as the stage-3 files it amounts to."""
         model_sd = load_file(model_path, "model states (upstream stage 0-2)", trust)
-        world = model_sd.get("dp_world_size") if isinstance(model_sd, dict) else None
-        if not isinstance(world, int) or world < 1:
-            raise CheckpointError(
-                f"{model_path}: invalid 'dp_world_size' {world!r} (upstream DeepSpeed file)"
-            )
-        if model_sd.get("mp_world_size", 1) != 1:
-            raise CheckpointError(
-                f"{model_path}: saved with model parallelism ({model_sd['mp_world_size']} ranks); only "
-                "data-parallel ZeRO checkpoints can be loaded"
-            )
+        world = _upstream_saving_world(model_sd, model_path)
         optim_paths = [upstream_optim_path(directory, r) for r in range(world)]
         missing = [r for r, path in enumerate(optim_paths) if path is None]
         if len(missing) == world and model_sd.get("param_shapes") is None:
