@@ -26,7 +26,7 @@ lint: setup
 	$(VENV)/bin/ruff check deepspeed tests benchmarks examples
 	$(VENV)/bin/ruff format --check deepspeed tests benchmarks examples
 
-# All benchmarks in one go (~20 min on 2 shared cores): benchmarks/results/latest.{json,md,png}.
+# All benchmarks in one go (~25 min on 2 shared cores): benchmarks/results/latest.{json,md,png}.
 bench: setup
 	$(PY) -m pip install -q -r requirements/requirements-bench.txt
 	bash benchmarks/setup_upstream.sh

@@ -422,10 +422,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps: a smoke run")
     parser.add_argument("--skip-upstream", action="store_true", help="leave out upstream DeepSpeed (null)")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results", help="where latest.* go")
-    # 10: a decoder step's time moves by about 10% from step to step on this 2-core machine,
-    # and group start-up, not the rounds, is most of the section's time (a round of the four
-    # cases takes about 20 s).
-    parser.add_argument("--rounds", type=int, default=10, help="train-step rounds of 2 timed steps per peer")
+    # 25: a decoder step's time moves by 10-15% from step to step on this 2-core machine
+    # (quartiles), so the median of 20 steps moved by about 6% and a ratio of two by about
+    # 8%: ZeRO-2 against upstream read 0.70-0.86 in one day's runs of 10 rounds. 50 steps
+    # halve the variance for about 5 more minutes (a round of the four cases takes ~20 s).
+    parser.add_argument("--rounds", type=int, default=25, help="train-step rounds of 2 timed steps per peer")
     parser.add_argument("--upstream-python", type=Path, default=bench_train_step.UPSTREAM_PYTHON)
     parser.add_argument(
         "--only",
