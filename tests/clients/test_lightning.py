@@ -1,4 +1,11 @@
-"""Lightning 2.6 on our ZeRO-3, 2 CPU ranks: Trainer fit / save / resume / convert, Fabric save / load.
+"""Lightning 2.6 on our ZeRO stages, 2 CPU ranks: Trainer fit / save / resume / convert, Fabric save / load.
+
+Each run picks its strategy by the name Lightning registers (`deepspeed_stage_2`,
+`deepspeed_stage_3_offload`, ...), the way users do; the `_offload` ones step
+`DeepSpeedCPUAdam`, as Lightning's docs ask. Lightning writes every NVMe tuning key
+(`nvme_path: /local_nvme`, buffer sizes) into those strategies' offload blocks even with
+device cpu, which must parse; `test_registered_strategy_configs_parse` checks every
+registered config without starting processes.
 
 Lightning's DeepSpeed strategies refuse the CPU with two checks of their own, both CUDA-only:
 `DeepSpeedStrategy.setup_environment` raises unless the accelerator is a `CUDAAccelerator`,
@@ -17,7 +24,7 @@ on a free port. One run does everything in sequence, since Lightning's start-up 
            uninterrupted run's; rank 0 converts the folder with Lightning's
            `convert_zero_checkpoint_to_fp32_state_dict` and finds the weights at the save and
            Lightning's own state (global_step, epoch) in the file.
-  fabric   `Fabric(strategy=DeepSpeedStrategy(stage=3))` trains 2 steps, `fabric.save`s model,
+  fabric   `Fabric(strategy=<the same name>)` trains 2 steps, `fabric.save`s model,
            optimizer and a counter; a fresh model and optimizer `fabric.load` them and the
            next step's loss equals the uninterrupted run's.
 
@@ -40,16 +47,48 @@ SAVE_STEP = 4
 TOTAL_STEPS = 6
 FABRIC_STEPS = 3
 
-STAGES = [1, 2, 3]
+# Names in Lightning's strategy registry; Trainer and Fabric register the same ones.
+STRATEGIES = [
+    "deepspeed_stage_1",
+    "deepspeed_stage_2",
+    "deepspeed_stage_3",
+    "deepspeed_stage_2_offload",
+    "deepspeed_stage_3_offload",
+]
 
 
-@pytest.fixture(scope="module", params=STAGES)
+@pytest.mark.parametrize(
+    "module, registry",
+    [
+        ("lightning.pytorch.strategies", "StrategyRegistry"),
+        ("lightning.fabric.strategies", "STRATEGY_REGISTRY"),
+    ],
+)
+def test_registered_strategy_configs_parse(module, registry):
+    """Every DeepSpeed config Lightning registers parses, but NVMe offload, refused by name."""
+    import importlib
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    strategies = getattr(importlib.import_module(module), registry)
+    names = [name for name in strategies.available_strategies() if name.startswith("deepspeed")]
+    assert set(STRATEGIES) < set(names)
+    for name in names:
+        config = dict(strategies.get(name).config, train_micro_batch_size_per_gpu=1)
+        if name.endswith("_nvme"):
+            with pytest.raises(ValueError, match=r"offload_\w+\.device='nvme' is not supported"):
+                DeepSpeedConfig(config)
+        else:
+            DeepSpeedConfig(config)
+
+
+@pytest.fixture(scope="module", params=STRATEGIES)
 def lightning_run(request, tmp_path_factory) -> list:
     """Run this file as a script on 2 ranks under our launcher; each rank's findings."""
     from tests.unit.common import get_free_port
 
-    stage = request.param
-    out = tmp_path_factory.mktemp(f"lightning_stage{stage}")
+    strategy = request.param
+    out = tmp_path_factory.mktemp(strategy)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_procs", "2"]
@@ -58,7 +97,7 @@ def lightning_run(request, tmp_path_factory) -> list:
         str(get_free_port()),
         "--no_local_rank",
         os.path.abspath(__file__),
-        str(stage),
+        strategy,
         str(out),
     ]
     done = subprocess.run(cmd, env=env, cwd=str(out), capture_output=True, text=True, timeout=240)
@@ -79,6 +118,16 @@ def test_trainer_fit_save_resume_convert(lightning_run):
     convert = lightning_run[0]["convert"]
     assert convert["global_step"] == SAVE_STEP and convert["epoch"] == convert["epoch_at_save"]
     assert convert["weights_equal_saved"] and convert["keys_equal_state_dict"]
+
+
+def test_trainer_engine_runs_the_named_strategy(lightning_run, request):
+    strategy = request.node.callspec.params["lightning_run"]
+    stage = int(strategy.split("_")[2])
+    offload = strategy.endswith("_offload")
+    for res in lightning_run:
+        # offload_optimizer with every `_offload` name; offload_param only with stage 3's.
+        assert res["trainer"]["engine_stage"] == stage
+        assert res["trainer"]["engine_offloads"] == [offload, offload and stage == 3]
 
 
 def test_trainer_resume_continues_like_the_uninterrupted_run(lightning_run):
@@ -136,6 +185,8 @@ def _module_class():
             self.start_weights = None
             self.start_step = None
             self.start_adam_steps = None
+            self.engine_stage = None
+            self.engine_offloads = None
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -146,13 +197,34 @@ def _module_class():
         def on_train_start(self) -> None:
             self.start_weights = _gathered(self.layers)
             self.start_step = self.trainer.global_step
+            engine = self.trainer.strategy.deepspeed_engine
+            self.engine_stage = engine.zero_optimization_stage()
+            param_block = engine.zero_offload_param()  # None when the config has no such block
+            self.engine_offloads = [
+                engine.zero_cpu_offload(),
+                param_block is not None and param_block.device == "cpu",
+            ]
             opt = self.trainer.strategy.deepspeed_engine.optimizer.optimizer
             self.start_adam_steps = sorted({float(v["step"]) for v in opt.state.values() if "step" in v})
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.01)
+            return _adamw(self.parameters(), lr=0.05, weight_decay=0.01)
 
     return Tiny
+
+
+def _adamw(params, **kwargs):
+    """torch's AdamW, or DeepSpeedCPUAdam (AdamW mode) under a `_offload` strategy, as Lightning's docs ask."""
+    import torch
+
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    offload = os.environ["LIGHTNING_STRATEGY"].endswith("_offload")
+    return (
+        DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
+        if offload
+        else torch.optim.AdamW(params, **kwargs)
+    )
 
 
 def _gathered(module) -> dict:
@@ -168,12 +240,11 @@ def _equal(a: dict, b: dict, prefix: str = "") -> bool:
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _trainer(stage: int, max_steps: int, root: str, callbacks: tuple = ()):
+def _trainer(strategy: str, max_steps: int, root: str, callbacks: tuple = ()):
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DeepSpeedStrategy
 
     return pl.Trainer(
-        strategy=DeepSpeedStrategy(stage=stage),
+        strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_steps=max_steps,
@@ -196,7 +267,7 @@ def _loader():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=False)
 
 
-def _run_trainer(stage: int, out: str, rank: int) -> tuple:
+def _run_trainer(strategy: str, out: str, rank: int) -> tuple:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
@@ -220,11 +291,11 @@ def _run_trainer(stage: int, out: str, rank: int) -> tuple:
                 at_save.update(weights=_gathered(pl_module.layers), epoch=trainer.current_epoch)
 
     straight = tiny()
-    _trainer(stage, TOTAL_STEPS, out, callbacks=(SaveAtStep(),)).fit(straight, train_dataloaders=_loader())
+    _trainer(strategy, TOTAL_STEPS, out, callbacks=(SaveAtStep(),)).fit(straight, train_dataloaders=_loader())
     saved, epoch_at_save = at_save["weights"], at_save["epoch"]
 
     resumed = tiny()
-    trainer = _trainer(stage, TOTAL_STEPS, out)
+    trainer = _trainer(strategy, TOTAL_STEPS, out)
     trainer.fit(resumed, train_dataloaders=_loader(), ckpt_path=ckpt)
     result = {
         "resumed_from_step": resumed.start_step,
@@ -232,6 +303,8 @@ def _run_trainer(stage: int, out: str, rank: int) -> tuple:
         "straight_losses": straight.losses,
         "resumed_weights_equal_saved": _equal(resumed.start_weights, saved),
         "resumed_adam_steps": resumed.start_adam_steps,
+        "engine_stage": resumed.engine_stage,
+        "engine_offloads": resumed.engine_offloads,
     }
     convert = None
     if rank == 0:
@@ -249,12 +322,11 @@ def _run_trainer(stage: int, out: str, rank: int) -> tuple:
     return result, convert
 
 
-def _run_fabric(stage: int, out: str) -> dict:
+def _run_fabric(strategy: str, out: str) -> dict:
     import torch
     from lightning.fabric import Fabric
-    from lightning.fabric.strategies import DeepSpeedStrategy
 
-    fabric = Fabric(strategy=DeepSpeedStrategy(stage=stage), accelerator="cpu", devices=2)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
     fabric.launch()
     x, y = _data()
     path = os.path.join(out, "fabric.ckpt")
@@ -262,7 +334,7 @@ def _run_fabric(stage: int, out: str) -> dict:
     def setup():
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        optimizer = _adamw(model.parameters(), lr=0.05)
         return fabric.setup(model, optimizer)
 
     def step(model, optimizer, i: int) -> float:
@@ -290,18 +362,19 @@ def _run_fabric(stage: int, out: str) -> dict:
     }
 
 
-def _script(stage: int, out: str) -> None:
+def _script(strategy: str, out: str) -> None:
     import torch
 
     torch.set_num_threads(1)
+    os.environ["LIGHTNING_STRATEGY"] = strategy
     if not torch.cuda.is_available():
         _bypass_lightning_cuda_checks()
     rank = int(os.environ["RANK"])
-    trainer, convert = _run_trainer(stage, out, rank)
-    fabric = _run_fabric(stage, out)
+    trainer, convert = _run_trainer(strategy, out, rank)
+    fabric = _run_fabric(strategy, out)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"trainer": trainer, "convert": convert, "fabric": fabric}, f)
 
 
 if __name__ == "__main__":
-    _script(int(sys.argv[1]), sys.argv[2])
+    _script(sys.argv[1], sys.argv[2])

@@ -37,19 +37,19 @@ class OffloadStateTypeEnum(str, enum.Enum):
     contiguous_grad_buffer = "contiguous_grad_buffer"
 
 
-def _nvme_only(what: str) -> Unsupported:
-    return Unsupported(f"{what} serves NVMe offload, which is not implemented; remove the key")
-
-
-def _nvme_optimizer_only(what: str) -> Unsupported:
-    return Unsupported(f"{what} serves NVMe optimizer offload, which is not implemented; remove the key")
+def _nvme_tuning(what: str) -> str:
+    # Lightning's registered `*_offload` strategies write every NVMe knob with device "cpu",
+    # and upstream ignores them unless the device is "nvme". Here "nvme" itself is refused (by
+    # the `device` rule), so these keys can never take effect: every value behaves the same.
+    return f"{what} tunes NVMe offload only; 'device': 'nvme' is refused, and with 'cpu' or 'none' upstream ignores it too"
 
 
 class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     """`zero_optimization.offload_param`: keep partitioned parameters off the accelerator.
 
     Valid only with stage 3. `device` "cpu" and `pin_memory` are acted on by `zero.Init` (which
-    the engine also runs on a model built without it); NVMe is refused.
+    the engine also runs on a model built without it); ``device: "nvme"`` is refused, so the
+    NVMe tuning keys parse with any value and change nothing (as upstream with "cpu").
     """
 
     _unsupported: ClassVar[dict[str, Unsupported]] = {
@@ -57,10 +57,9 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
             "NVMe offload is not implemented; use 'cpu' or 'none'",
             lambda device: device != OffloadDeviceEnum.nvme,
         ),
-        "nvme_path": _nvme_only("nvme_path"),
-        "buffer_count": _nvme_only("buffer_count"),
-        "buffer_size": _nvme_only("buffer_size"),
-        "max_in_cpu": _nvme_only("max_in_cpu"),
+    }
+    _no_effect: ClassVar[dict[str, str]] = {
+        name: _nvme_tuning(name) for name in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")
     }
 
     device: OffloadDeviceEnum = OffloadDeviceEnum.none
@@ -88,7 +87,8 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     Valid with stages 1, 2 and 3. With ``device: "cpu"`` the fp32 master slices, their
     gradients and the optimizer state live on the CPU (pinned with `pin_memory`, where the
     accelerator pins) and the step runs there, with `DeepSpeedCPUAdam` for Adam/AdamW
-    configs; the accelerator then holds only the training-dtype parameters. NVMe is refused.
+    configs; the accelerator then holds only the training-dtype parameters. ``device: "nvme"`` is refused, so
+    the NVMe tuning keys parse with any value and change nothing (as upstream with "cpu").
     """
 
     _unsupported: ClassVar[dict[str, Unsupported]] = {
@@ -97,12 +97,12 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
             lambda device: device != OffloadDeviceEnum.nvme,
         ),
         "ratio": Unsupported("partial optimizer offload (ratio < 1) is not implemented; use 1.0"),
-        **{
-            name: _nvme_optimizer_only(name)
-            for name in ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")
-        },
         "super_offload": Unsupported("SuperOffload is not implemented; remove the key"),
         "cpuadam_cores_perc": Unsupported("SuperOffload's CPU core split is not implemented; remove the key"),
+    }
+    _no_effect: ClassVar[dict[str, str]] = {
+        name: _nvme_tuning(name)
+        for name in ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")
     }
 
     device: OffloadDeviceEnum = OffloadDeviceEnum.none
