@@ -204,7 +204,14 @@ def check_supported(ns: argparse.Namespace) -> None:
 
 
 def _port_is_free(port: int) -> bool:
+    """Whether a rendezvous store could listen on `port` now.
+
+    SO_REUSEADDR as torch's TCPStore sets it: the connections a finished job leaves in
+    TIME_WAIT (about a minute on Linux) do not stop the store from listening, so they must not
+    make the port look busy either; a live listener still does.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("", port))
         except OSError:

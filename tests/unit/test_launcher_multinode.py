@@ -294,6 +294,27 @@ def test_busy_default_port_falls_back_to_a_free_one(monkeypatch):
     assert runner.local_master_port(4321) == 4321
 
 
+def test_port_left_in_time_wait_by_a_finished_job_is_free(monkeypatch):
+    # A finished job's store (which listens with SO_REUSEADDR, as torch's TCPStore does) closed
+    # its side of a connection first: that side sits in TIME_WAIT on the store's port, which a
+    # new store may listen on at once (Linux allows it when both sockets set SO_REUSEADDR).
+    with socket.socket() as store:
+        store.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        store.bind(("", 0))
+        store.listen()
+        port = store.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = store.accept()
+        served.close()  # the store's side closes first and enters TIME_WAIT
+        client.close()
+    monkeypatch.setattr(runner, "DEFAULT_MASTER_PORT", port)
+    assert runner.local_master_port(None) == port
+    with socket.socket() as listener:  # and the port really takes a listener with SO_REUSEADDR
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("", port))
+        listener.listen()
+
+
 # ----------------------------------------------------------------------------- env discovery
 
 
