@@ -9,7 +9,7 @@ import torch
 
 from tests.unit.common import DistributedTest
 from tests.zoo import models as zm
-from tests.zoo.harness import Case, check_parity, gathered
+from tests.zoo.harness import Case, build, check_parity, gathered
 
 pytestmark = pytest.mark.zoo
 # Every case that does not build under zero.Init runs at each stage (stages 1-2: full parameters).
@@ -60,6 +60,30 @@ class TestZooModels(DistributedTest):
             return model
 
         check_parity(Case("llama_grad_ckpt", build, zm.token_batch, zm.hf_causal_loss, stage=stage))
+
+    @ALL_STAGES
+    @pytest.mark.parametrize("use_reentrant", [False, True])
+    def test_gpt2_frozen_weights_gradient_checkpointing(self, stage, use_reentrant):
+        """LoRA-like: frozen block weights under HF's gradient checkpointing (non-reentrant is its
+        default). `Conv1D` hands its frozen weight to `addmm` as is, so the recomputation saves
+        the parameter itself (hooks.py's note on frozen parameters saved by a recomputation)."""
+
+        def build_frozen():
+            model = zm.gpt2()
+            for block in model.transformer.h:
+                block.attn.c_attn.weight.requires_grad_(False)
+                block.mlp.c_fc.weight.requires_grad_(False)
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}
+            )
+            return model
+
+        case = Case("gpt2_frozen_grad_ckpt", build_frozen, zm.token_batch, zm.hf_causal_loss, stage=stage)
+        got, _ = check_parity(case)
+        start = {n: p.detach().clone() for n, p in build(case, zero=False).named_parameters()}
+        final = gathered(got.model)
+        frozen = [n for n, p in got.model.named_parameters() if not p.requires_grad]
+        assert len(frozen) == 4 and all(torch.equal(final[n], start[n]) for n in frozen)
 
     @ALL_STAGES
     def test_bert_masked_lm(self, stage):

@@ -28,6 +28,16 @@ The outermost forward of each pass also marks where a pass starts: a pass that r
 grad enabled and was never followed by a backward (an eval loop, `generate` called on the
 module directly) is closed there, so the prefetch trace and holds stay bounded.
 
+[Note: frozen parameters saved by a recomputation]
+Non-reentrant activation checkpointing recomputes a region's forward inside backward and keeps
+what autograd saves there: a tensor that requires grad as a detached alias (its own shape and
+storage, so freeing the parameter afterwards changes nothing it sees), any other tensor as
+itself. A frozen parameter is such a tensor: released after the recomputed forward, it would
+be empty by the time checkpoint compares it with what the first forward saved (a
+`CheckpointError` on shape [0]) or the submodule's backward reads it. So when a forward ends
+inside backward, its frozen parameters stay held by a `recompute` hold until that submodule's
+backward is over (`exit_backward`), or the pass ends.
+
 [Note: prefetch from a recorded trace]
 The first forward/backward records the order in which submodules fetch. Later passes use
 it: when submodule i fetches, the next submodules' parameters are gathered asynchronously,
@@ -126,7 +136,7 @@ class _Hold:
 
     def __init__(self, module: nn.Module, phase: str, states: list) -> None:
         self.module = module
-        self.phase = phase  # "forward" or "backward"
+        self.phase = phase  # "forward", "backward" or "recompute"
         self.states = states  # ZeroParamStates this owner holds, one hold each
 
     def __repr__(self) -> str:
@@ -257,6 +267,8 @@ class ParameterCoordinator:
         )
         self.forward_holds: list = []  # _Holds of submodules whose forward is running, innermost last
         self.backward_holds: dict = {}  # id(module) -> [_Hold] for its backward, innermost last
+        # id(module) -> [_Hold] of frozen parameters a recomputed forward saved (see the note)
+        self.recompute_holds: dict = {}
         self.awaiting_backward = False  # a grad-enabled forward finished and no backward closed it
         self.under_leaf: set = _under_leaves(module)  # ids of modules inside a leaf: they hold nothing
         # id(module) -> what its forward and backward hold, computed once per pass: backward
@@ -333,6 +345,8 @@ class ParameterCoordinator:
         hold = self._pop_forward_hold(module)
         if hold is None:
             return None  # the hooks were installed while this forward was running
+        if hold.states and _in_backward():
+            self._keep_frozen_for_backward(hold)
         if hold.states:
             self._release(hold)
         if not self.forward_holds:
@@ -342,6 +356,14 @@ class ParameterCoordinator:
             if outputs:  # gathered again before the submodule's backward (see the note)
                 _on_gradients(outputs, lambda grad: self.enter_backward(module), mode="any")
         return None
+
+    def _keep_frozen_for_backward(self, hold: _Hold) -> None:
+        """A forward recomputed inside backward: its frozen parameters stay gathered (see the note)."""
+        frozen = [s for s in hold.states if not s.param.requires_grad]
+        if frozen:
+            keep = _Hold(hold.module, "recompute", frozen)
+            gather.fetch_states(frozen, keep)  # one more hold on gathered tensors: no collective
+            self.recompute_holds.setdefault(id(hold.module), []).append(keep)
 
     def _pop_forward_hold(self, module: nn.Module) -> Optional[_Hold]:
         """Pop `module`'s forward hold; holds above it belong to forwards that never returned."""
@@ -396,6 +418,8 @@ class ParameterCoordinator:
         self.backward_holds.setdefault(id(module), []).append(hold)
 
     def exit_backward(self, module: nn.Module) -> None:
+        for kept in self.recompute_holds.pop(id(module), []):
+            self._release(kept)
         held = self.backward_holds.get(id(module))
         if not held:
             return  # its backward entry never ran (no output needed a gradient)
@@ -416,6 +440,10 @@ class ParameterCoordinator:
         for hold in reversed(self.forward_holds):  # forwards that never returned
             if hold.states:
                 self._release(hold)
+        for holds in self.recompute_holds.values():  # submodules whose backward never ended
+            for hold in holds:
+                self._release(hold)
+        self.recompute_holds.clear()
         if self.forward_holds:
             self.forward_holds.clear()
             ACCESS_HOOK.pop(self._on_access)
@@ -428,6 +456,7 @@ class ParameterCoordinator:
     def pass_holds(self) -> list:
         """Forward and backward holds that are live now (none between passes)."""
         backward = [hold for holds in self.backward_holds.values() for hold in holds]
+        backward += [hold for holds in self.recompute_holds.values() for hold in holds]
         return [hold for hold in self.forward_holds + backward if hold.states]
 
 
