@@ -26,6 +26,7 @@ __all__ = [
     "zero",
     "comm",
     "accelerator",
+    "get_accelerator",
     "utils",
     "runtime",
     "ops",
@@ -47,6 +48,7 @@ _LAZY = {
     "DeepSpeedEngine": ("deepspeed.runtime.engine", "DeepSpeedEngine"),
     "DeepSpeedConfig": ("deepspeed.runtime.config", "DeepSpeedConfig"),
     "DeepSpeedOptimizer": ("deepspeed.runtime.base_optimizer", "DeepSpeedOptimizer"),
+    "get_accelerator": ("deepspeed.accelerator", "get_accelerator"),  # upstream exports it here too
     # Upstream's alias for the activation-checkpointing API.
     "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
 }

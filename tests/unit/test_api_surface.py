@@ -47,6 +47,7 @@ NAMES = [
         for w in ("fp32_param", "grad", "optimizer_state")
     ],
     "add_config_arguments",
+    "get_accelerator",
     "tp_model_init",
     "init_inference",
     "launcher.runner.DEEPSPEED_ENVIRONMENT_NAME",
