@@ -6,7 +6,9 @@ averaged over ranks and micro-steps, and the final weights match a plain PyTorch
 on the same 16-sample global batches. `save_state` after the first epoch and `load_state`
 after the second replay the second epoch with identical losses and weights. With
 `offload_optimizer_device="cpu"` the same holds, using DeepSpeedCPUAdam as upstream requires
-for a client optimizer under ZeRO-Offload.
+for a client optimizer under ZeRO-Offload; and with a torch Adagrad, which accelerate itself
+swaps for `deepspeed.ops.adagrad.DeepSpeedCPUAdagrad` under offload (passing the torch
+optimizer's param groups, whose lr_decay and initial_accumulator_value must be honoured).
 """
 
 import copy
@@ -35,10 +37,18 @@ def make_data() -> tuple:
     return torch.randn(SAMPLES, 8, generator=gen), torch.randn(SAMPLES, 4, generator=gen)
 
 
-def reference_run(model: torch.nn.Module, epochs: int) -> tuple:
-    """Plain AdamW on each optimizer step's global batch (16 consecutive samples)."""
+def torch_optimizer(kind: str, params):
+    if kind == "adagrad":
+        return torch.optim.Adagrad(
+            params, lr=LR, lr_decay=0.05, initial_accumulator_value=0.1, weight_decay=0.01
+        )
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+
+
+def reference_run(model: torch.nn.Module, epochs: int, kind: str = "adamw") -> tuple:
+    """The plain torch optimizer on each optimizer step's global batch (16 consecutive samples)."""
     x, y = make_data()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = torch_optimizer(kind, model.parameters())
     losses = []
     per_step = MICRO_BATCH * ACCUMULATION * 2
     for _ in range(epochs):
@@ -87,20 +97,28 @@ class TestAccelerate(DistributedTest):
     world_size = 2
 
     @pytest.mark.parametrize(
-        "stage, offload", [(3, "none"), (3, "cpu"), (1, "none")], ids=["no_offload", "offload_cpu", "stage1"]
+        "stage, offload, kind",
+        [
+            (3, "none", "adamw"),
+            (3, "cpu", "adamw"),
+            (1, "none", "adamw"),
+            (3, "cpu", "adagrad"),
+            (2, "cpu", "adagrad"),
+        ],
+        ids=["no_offload", "offload_cpu", "stage1", "offload_adagrad", "stage2_offload_adagrad"],
     )
-    def test_train_state_dict_save_load(self, stage, offload, tmp_path):
+    def test_train_state_dict_save_load(self, stage, offload, kind, tmp_path):
         from safetensors.torch import load_file
 
         import deepspeed
 
         accelerator = make_accelerator(offload, stage)
         model = make_model()
-        ref_losses, ref_weights = reference_run(copy.deepcopy(model), epochs=2)
-        if offload == "cpu":
+        ref_losses, ref_weights = reference_run(copy.deepcopy(model), epochs=2, kind=kind)
+        if offload == "cpu" and kind == "adamw":
             optimizer = deepspeed.ops.adam.DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=0.0)
         else:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+            optimizer = torch_optimizer(kind, model.parameters())
         loader = torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(*make_data()), batch_size=MICRO_BATCH
         )
@@ -110,6 +128,8 @@ class TestAccelerate(DistributedTest):
             assert block is not None and "cpu" in str(block.device), (
                 f"offload_optimizer not in effect: {block}"
             )
+            expected = {"adamw": "DeepSpeedCPUAdam", "adagrad": "DeepSpeedCPUAdagrad"}[kind]
+            assert type(model.optimizer.optimizer).__name__ == expected
         assert all(hasattr(p, "ds_id") for p in model.module.parameters()) == (stage == 3), (
             "ZeRO-3 did not manage every parameter, or a lower stage partitioned them"
         )

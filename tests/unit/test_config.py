@@ -601,3 +601,15 @@ def test_optimizer_params_reach_the_optimizer_as_upstream_passes_them():
     assert build_config_optimizer("AdamW", {"weight_decay": 0.1}, groups).defaults["weight_decay"] == 0.1
     with pytest.raises(TypeError, match="fused"):  # DeepSpeedCPUAdam is one fused kernel already
         build_config_optimizer("AdamW", {"fused": True}, groups, offload=True)
+
+
+def test_adagrad_config_builds_torch_adagrad_or_cpu_adagrad_under_offload():
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from deepspeed.runtime.zero.stage3 import build_config_optimizer
+
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(3))]}]
+    opt = build_config_optimizer("Adagrad", {"lr": 0.05, "lr_decay": 0.1}, groups)
+    assert type(opt) is torch.optim.Adagrad and opt.defaults["lr_decay"] == 0.1
+    for name, offload in (("Adagrad", True), ("CPUAdagrad", False)):
+        opt = build_config_optimizer(name, {"lr": 0.05, "eps": 1e-8}, groups, offload=offload)
+        assert type(opt) is DeepSpeedCPUAdagrad and opt.defaults["eps"] == 1e-8

@@ -53,10 +53,10 @@ _SELECTOR_KEYS = ("torch_adam", "adam_w_mode")
 def build_config_optimizer(
     name: str, params: dict, groups: list, offload: bool = False
 ) -> torch.optim.Optimizer:
-    """A torch optimizer from the config's `optimizer` block (`type` Adam, AdamW or SGD).
+    """A torch optimizer from the config's `optimizer` block (`type` Adam, AdamW, SGD or Adagrad).
 
     With optimizer offload, Adam and AdamW step on the CPU with `DeepSpeedCPUAdam` (as
-    upstream), unless the block asks for `torch_adam`.
+    upstream), unless the block asks for `torch_adam`, and Adagrad with `DeepSpeedCPUAdagrad`.
     """
     kwargs = {k: v for k, v in (params or {}).items() if k not in _SELECTOR_KEYS}
     name = (name or "").lower()
@@ -83,16 +83,24 @@ def build_config_optimizer(
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, **kwargs)
+    if name == "cpuadagrad" or (name == "adagrad" and offload):
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+        return DeepSpeedCPUAdagrad(groups, **kwargs)
+    if name == "adagrad":
+        return torch.optim.Adagrad(groups, **kwargs)
     raise ValueError(
-        f"optimizer.type={name!r} is not supported; use Adam, AdamW, SGD or CPUAdam, or pass a torch "
-        "optimizer to deepspeed.initialize(optimizer=...)"
+        f"optimizer.type={name!r} is not supported; use Adam, AdamW, SGD, Adagrad, CPUAdam or CPUAdagrad, "
+        "or pass a torch optimizer to deepspeed.initialize(optimizer=...)"
     )
 
 
-def _is_cpu_adam(client: Any) -> bool:
+def _is_ds_cpu_optimizer(client: Any) -> bool:
+    """Whether `client` is one of the CPU optimizers that offload steps with (as upstream checks)."""
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    return isinstance(client, DeepSpeedCPUAdam)
+    return isinstance(client, (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad))
 
 
 def is_optimizer_instance(obj: Any) -> bool:
@@ -222,10 +230,11 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             return build_config_optimizer(
                 self.config.optimizer_name, self.config.optimizer_params, groups, self.offload
             )
-        if self.offload and self.config.zero_force_ds_cpu_optimizer and not _is_cpu_adam(client):
+        if self.offload and self.config.zero_force_ds_cpu_optimizer and not _is_ds_cpu_optimizer(client):
             raise ZeROOffloadOptimizerError(
                 f"zero_optimization.offload_optimizer steps on the CPU, but the client optimizer is "
-                f"{type(client).__name__}; pass deepspeed.ops.adam.DeepSpeedCPUAdam (or use the config's "
+                f"{type(client).__name__}; pass deepspeed.ops.adam.DeepSpeedCPUAdam or "
+                "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad (or use the config's "
                 "optimizer block), or set zero_force_ds_cpu_optimizer: false to step it on the CPU anyway"
             )
         if not is_optimizer_instance(client):

@@ -1,0 +1,138 @@
+"""`DeepSpeedCPUAdagrad`: Adagrad for parameters held in CPU memory (ZeRO-Offload).
+
+accelerate swaps a client's `torch.optim.Adagrad` for this class when the optimizer is
+offloaded (HF Trainer's ``optim="adagrad"`` with ``offload_optimizer``), passing the torch
+optimizer's param groups as they are. So the update is torch.optim.Adagrad's, in its order
+of operations, and every hyperparameter those groups carry that changes the result is acted
+on (`lr_decay`, `initial_accumulator_value`, `maximize`), not only upstream's lr, eps and
+weight decay. accelerate also passes ``adamw_mode=False``, meant for Adam, which upstream's
+class does not take (accelerate's swap fails there); here it is accepted as what it says,
+L2 weight decay, and ``True`` is refused. `foreach`, `fused` and `differentiable` choose how torch would run the same
+update, so they change nothing here. The step is element-wise torch ops on the CPU: unlike
+Adam, no native kernel.
+
+The accumulated sum of squared gradients is kept under upstream's state key ``exp_avg_sq``
+(torch's Adagrad calls it ``sum``), with an integer ``step``; fp16/bf16 parameters keep it
+in fp32 when ``fp32_optimizer_states`` (the default), and are updated in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Callable, Optional
+
+import torch
+
+from deepspeed.runtime.huge_pages import huge_page_zeros
+
+
+class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
+    """Adagrad (L2 weight decay, as torch and upstream) on the CPU; see the module note."""
+
+    fp32_optimizer_states: bool  # the sum of squares in fp32 whatever the param dtype
+
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        fp32_optimizer_states: bool = True,
+        lr_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        maximize: bool = False,
+        adamw_mode: bool = False,
+    ) -> None:
+        # accelerate passes adamw_mode=False to whichever CPU optimizer it picks (upstream's
+        # Adagrad then fails on the keyword); False is Adagrad's own L2 weight decay.
+        if adamw_mode:
+            raise ValueError(
+                "DeepSpeedCPUAdagrad: adamw_mode=True (decoupled weight decay) is not an Adagrad update; "
+                "pass adamw_mode=False, which applies weight_decay as torch.optim.Adagrad does"
+            )
+        if amsgrad:
+            raise ValueError(
+                "DeepSpeedCPUAdagrad has no amsgrad variant (neither has upstream's); pass amsgrad=False"
+            )
+        for name, value in (
+            ("lr", lr),
+            ("eps", eps),
+            ("weight_decay", weight_decay),
+            ("lr_decay", lr_decay),
+            ("initial_accumulator_value", initial_accumulator_value),
+        ):
+            if value < 0.0:
+                raise ValueError(f"DeepSpeedCPUAdagrad: {name} must be >= 0, got {value}")
+        defaults = dict(
+            lr=lr,
+            eps=eps,
+            weight_decay=weight_decay,
+            lr_decay=lr_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            maximize=maximize,
+        )
+        super().__init__(model_params, defaults)
+        self.fp32_optimizer_states = fp32_optimizer_states
+
+    def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        state = self.state[param]
+        if not state:
+            if param.device.type != "cpu":
+                raise ValueError(
+                    f"DeepSpeedCPUAdagrad: a parameter is on {param.device}, but it must be on the CPU; "
+                    'enable "offload_optimizer": {"device": "cpu"} in the ZeRO config, or use '
+                    "torch.optim.Adagrad for accelerator parameters"
+                )
+            dtype = torch.float32 if self.fp32_optimizer_states else param.dtype
+            state["step"] = 0
+            state["exp_avg_sq"] = huge_page_zeros(param.shape, dtype).fill_(
+                group["initial_accumulator_value"]
+            )
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One update of every parameter that has a gradient, as torch.optim.Adagrad makes it."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError("DeepSpeedCPUAdagrad does not support sparse gradients")
+                state = self._init_state(param, group)
+                # int(): a state loaded from torch's Adagrad holds its step as a 0-d tensor.
+                state["step"] = int(state["step"]) + 1
+                self._update(param, state, group)
+        return loss
+
+    @staticmethod
+    def _update(param: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        squares = state["exp_avg_sq"]
+        master = param if param.dtype == squares.dtype else param.to(squares.dtype)
+        grad = param.grad.to(squares.dtype)
+        if group["maximize"]:
+            grad = -grad
+        if group["weight_decay"] != 0:
+            grad = grad.add(master, alpha=group["weight_decay"])
+        lr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
+        squares.addcmul_(grad, grad, value=1)
+        master.addcdiv_(grad, squares.sqrt().add_(group["eps"]), value=-lr)
+        if master is not param:
+            param.copy_(master)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load; a state saved by torch.optim.Adagrad (key ``sum``) is taken under ``exp_avg_sq``."""
+        renamed = {
+            key: {("exp_avg_sq" if name == "sum" else name): value for name, value in state.items()}
+            for key, state in state_dict.get("state", {}).items()
+        }
+        super().load_state_dict({**state_dict, "state": renamed})
+        if self.fp32_optimizer_states:
+            for state in self.state.values():
+                if isinstance(state.get("exp_avg_sq"), torch.Tensor):
+                    state["exp_avg_sq"] = state["exp_avg_sq"].float()
