@@ -166,6 +166,30 @@ class MHAModel(nn.Module):
         return self.head(self.norm(h + a))
 
 
+class DoraLikeModel(nn.Module):
+    """A parent that reads its children's weights before (or without) calling them, as peft's
+    DoRA does: an identity sized by `down.weight.shape[1]` is run through `down` and `up`, and
+    the head's weight is used through `.T`. Under ZeRO-3 the children are partitioned when
+    the parent's forward starts (param_state's note on parameters used outside their module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.down = nn.Linear(WIDTH, 4, bias=False)
+        self.up = nn.Linear(4, WIDTH, bias=False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        weight = self.down.weight
+        assert weight.shape == (4, WIDTH) and weight.size(1) == WIDTH and weight.size() == (4, WIDTH)
+        assert weight.dim() == 2 and weight.numel() == 4 * WIDTH
+        eye = torch.eye(weight.shape[1])
+        delta = self.up(self.down(eye)).T  # (WIDTH, WIDTH): the low-rank update, as DoRA builds it
+        h = h + torch.tanh(h @ delta)
+        return h @ self.head.weight.T + self.head.bias
+
+
 class RNNModel(nn.Module):
     def __init__(self, cell: str) -> None:
         super().__init__()

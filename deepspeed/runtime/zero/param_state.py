@@ -105,6 +105,17 @@ class _AccessHook:
     forward inside a student's), so the hooks form a stack and the innermost running engine
     answers. Outside every engine's forward the stack is empty and such a use sees the
     empty tensor, as upstream.
+
+    Reading an attribute goes through `__torch_function__` as `__get__`. Most attributes
+    (`data`, `grad`, `dtype`, `device`, `requires_grad`) say nothing about the values and
+    never gather; the ones that are values (`T`, `mT`, `H`, `mH`, `real`, `imag`) are uses
+    like any other. Shape queries (`.shape`, `size()`, `dim()`, `numel()`) inside an engine's
+    forward answer the parameter's full shape without a gather: upstream gathers a parameter
+    as soon as a forward looks it up on its module, so code written for it reads real shapes
+    there (peft's DoRA sizes an identity matrix by `lora_A.weight.shape[1]` before calling
+    `lora_A`), and a shape costs no collective, so a rank that alone asks cannot hang the
+    others. Outside a forward they answer the placeholder's shape [0], which is how clients
+    tell a partitioned parameter (as upstream).
     """
 
     # Functions that read metadata or storage handles: never worth a gather.
@@ -113,6 +124,8 @@ class _AccessHook:
          "is_floating_point", "data_ptr", "stride", "is_contiguous", "__len__", "untyped_storage", "__reduce_ex__",
          "register_hook", "register_post_accumulate_grad_hook", "__hash__", "__eq__"]
     )  # fmt: skip
+    # Attributes whose read (`__get__`) is a use of the values (see the note).
+    VALUE_ATTRIBUTES = frozenset(["T", "mT", "H", "mH", "real", "imag"])
 
     def __init__(self) -> None:
         self.hook: Optional[Any] = None  # the innermost engine's hook(param) -> None; makes `param` available
@@ -419,10 +432,36 @@ def _intercept(func, args: tuple, kwargs: dict) -> Any:
         if isinstance(target, ZeroParameter) and target._zero_state.status is ZeroParamStatus.NOT_AVAILABLE:
             return init_hook(target, func, args, kwargs)
     access_hook = ACCESS_HOOK.hook
-    if access_hook is not None and name not in _AccessHook.NO_FETCH:
-        for param in _zero_params_in((args, kwargs), []):
-            if param._zero_state.status is not ZeroParamStatus.AVAILABLE:
-                access_hook(param)
+    if access_hook is None:
+        return _NOT_INTERCEPTED
+    if name in _AccessHook.NO_FETCH:
+        target = args[0] if args else None
+        if isinstance(target, ZeroParameter) and target._zero_state.status is not ZeroParamStatus.AVAILABLE:
+            return _full_shape_query(func, name, target._zero_state.shape, args, kwargs)
+        return _NOT_INTERCEPTED
+    for param in _zero_params_in((args, kwargs), []):
+        if param._zero_state.status is not ZeroParamStatus.AVAILABLE:
+            access_hook(param)
+    return _NOT_INTERCEPTED
+
+
+def _full_shape_query(func, name: str, shape: torch.Size, args: tuple, kwargs: dict) -> Any:
+    """Inside an engine's forward: a shape query answered from the full shape, a value
+    attribute read as a use (the access hook gathers first), the rest as it is (see the note)."""
+    if name == "__get__":
+        attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+        if attribute == "shape":
+            return shape
+        if attribute in _AccessHook.VALUE_ATTRIBUTES:
+            ACCESS_HOOK.hook(args[0])
+        return _NOT_INTERCEPTED
+    if name == "size":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return shape if dim is None else shape[dim]
+    if name == "dim":
+        return len(shape)
+    if name == "numel":
+        return shape.numel()
     return _NOT_INTERCEPTED
 
 
