@@ -115,6 +115,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         if self.optimizer is not None:
             self.optimizer.before_step = self._settle_live_gathers
             self.optimizer.after_step = self._refresh_full_params
+            self.optimizer.parameter_offload = self.coordinator
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         self._grad_hooks = self._install_grad_hooks() if self.optimizer is not None else []

@@ -11,6 +11,7 @@ import deepspeed
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.param_state import ZeroParamStatus
 from tests.unit.common import DistributedTest
+from tests.unit.common import world_size as run_on
 
 VOCAB, WIDTH, SEQ, GLOBAL_BATCH = 23, 12, 5, 8
 
@@ -124,6 +125,42 @@ class TestEngineParity(DistributedTest):
         # after step() nothing stays gathered (persistence threshold 0)
         assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
         assert all(p._zero_state.holders == 0 for p in engine.module.parameters())
+
+    @run_on(2)
+    def test_hooks_removed_and_registered_again_as_trl_generates(self):
+        """TRL's `unwrap_model_for_generation` at ZeRO-3: with every parameter gathered, it removes
+        the engine's module hooks through `optimizer.parameter_offload`, runs the bare module, and
+        registers them again; training before and after must match the plain run."""
+        data = batches(4, seed=5)
+        reference, ref_losses = reference_run(data)
+        engine, losses = engine_run(data[:2])
+        offload = engine.optimizer.parameter_offload
+        assert offload.module is engine.module and offload.forward_hooks
+        ids, labels = data[0]
+        with deepspeed.zero.GatheredParameters(engine.module.parameters()):
+            for param in offload.module.parameters(recurse=True):
+                param.ds_active_sub_modules.clear()
+            for handle in offload.forward_hooks + offload.backward_hooks:
+                handle.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            assert not any(m._forward_pre_hooks or m._forward_hooks for m in engine.module.modules())
+            with torch.no_grad():
+                bare = engine.module(my_slice(ids), my_slice(labels))  # no engine hook runs
+            offload._register_deepspeed_module(offload.module)
+        assert all(len(m._forward_pre_hooks) == 1 for m in engine.module.modules())
+        assert not offload.pass_holds()
+        with torch.no_grad():
+            hooked = engine.module(my_slice(ids), my_slice(labels))  # the hooks gather again
+        assert torch.equal(bare, hooked)
+        for ids, labels in data[2:]:
+            loss = engine(my_slice(ids), my_slice(labels))
+            engine.backward(loss)
+            engine.step()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / dist.get_world_size())
+        assert_parity(engine, losses, reference, ref_losses)
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
 
     def test_gradient_accumulation_and_clipping(self):
         data = batches(10, seed=1)

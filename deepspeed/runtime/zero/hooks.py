@@ -275,20 +275,38 @@ class ParameterCoordinator:
         # (and a checkpointed recomputation) reuses the forward's list. Cleared when a pass
         # starts, and per module when a parameter used outside it is registered with it.
         self._states_cache: dict = {}
-        self._handles: list = []
-        for sub in module.modules():
-            self._handles.append(sub.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._handles.append(
-                sub.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
-            )
+        # [Note: the hooks under upstream's names]
+        # Upstream's ZeRO-3 optimizer keeps its module hooks on `optimizer.parameter_offload`:
+        # `module`, the `forward_hooks` / `backward_hooks` handle lists and
+        # `_register_deepspeed_module(module)`. TRL's `unwrap_model_for_generation` removes the
+        # handles in those lists, clears each parameter's `ds_active_sub_modules`, generates
+        # with every parameter gathered, then registers the hooks again; the engine's
+        # optimizer answers `parameter_offload` with this coordinator. Both lists are plain
+        # attributes, which TRL sets to [] after removing the handles. Backward needs no
+        # handle of its own here: its gradient hooks are set on tensors during each forward.
+        self.forward_hooks: list = []
+        self.backward_hooks: list = []
+        self._register_deepspeed_module(module)
 
     def __repr__(self) -> str:
         return f"ParameterCoordinator({type(self.module).__name__})"
 
+    def _register_deepspeed_module(self, module: nn.Module) -> None:
+        """Install the forward hooks on every submodule of `module` (see the note above)."""
+        for sub in module.modules():
+            self.forward_hooks.append(sub.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self.forward_hooks.append(
+                sub.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+            )
+
+    # Upstream's name for the same before DeepSpeed 0.16.4, which TRL calls on older versions.
+    _register_hooks_recursively = _register_deepspeed_module
+
     def remove_hooks(self) -> None:
-        for handle in self._handles:
+        for handle in self.forward_hooks + self.backward_hooks:
             handle.remove()
-        self._handles.clear()
+        self.forward_hooks = []
+        self.backward_hooks = []
 
     # ------------------------------------------------------------------ fetch / release
 

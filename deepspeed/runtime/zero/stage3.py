@@ -159,6 +159,9 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         self.offload = master_device is not None  # masters, their grads and the state off the device
         self.before_step: Optional[Callable[[], None]] = None  # set by the engine (see step())
         self.after_step: Optional[Callable[[], None]] = None
+        # Stage 3: the engine's ParameterCoordinator, under upstream's name for the object that
+        # owns the module hooks (hooks.py's note on the hooks under upstream's names); None below stage 3.
+        self.parameter_offload: Any = None
         self.pin_masters = pin_masters
         # param -> the object that owns its shard: a ZeroParamState (stage 3, the default) or
         # a ReplicatedShard (stages 0-2, see stage_1_and_2.py); None for no shard.
