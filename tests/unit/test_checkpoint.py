@@ -27,7 +27,7 @@ from deepspeed.runtime.zero import checkpoint_io
 from deepspeed.runtime.zero.checkpoint_io import CheckpointError, model_states_name, optim_states_name
 from deepspeed.utils import zero_to_fp32
 from tests.unit.common import DistributedTest, _run_distributed
-from tests.unit.test_engine import GLOBAL_BATCH, WIDTH, TinyLM, batches, gathered_params, my_slice
+from tests.unit.test_engine import GLOBAL_BATCH, WIDTH, TinyLM, batches, gathered_params, train
 
 SAVE_STEPS, MORE_STEPS = 3, 2
 CLIENT_STATE = {"epoch": 7, "note": "resume here"}
@@ -68,18 +68,6 @@ def build(cfg, seed=42, model_cls=BufferedLM):
     torch.manual_seed(seed)
     engine, *_ = deepspeed.initialize(model=model_cls(), config=cfg)
     return engine
-
-
-def train(engine, data):
-    losses = []
-    for ids, labels in data:
-        loss = engine(my_slice(ids), my_slice(labels))
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / dist.get_world_size())
-    return losses
 
 
 def all_data():

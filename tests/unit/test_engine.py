@@ -101,6 +101,19 @@ def engine_run(data, gas=1, clip=0.0, build_under_init=False, **extra):
     return engine, losses
 
 
+def train(engine, data):
+    """One step per global batch, each rank on its slice; the losses averaged over ranks."""
+    losses = []
+    for ids, labels in data:
+        loss = engine(my_slice(ids), my_slice(labels))
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    return losses
+
+
 def gathered_params(model):
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         return {n: p.detach().clone().float() for n, p in model.named_parameters()}
@@ -152,13 +165,7 @@ class TestEngineParity(DistributedTest):
         with torch.no_grad():
             hooked = engine.module(my_slice(ids), my_slice(labels))  # the hooks gather again
         assert torch.equal(bare, hooked)
-        for ids, labels in data[2:]:
-            loss = engine(my_slice(ids), my_slice(labels))
-            engine.backward(loss)
-            engine.step()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / dist.get_world_size())
+        losses += train(engine, data[2:])
         assert_parity(engine, losses, reference, ref_losses)
         assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
 

@@ -19,7 +19,7 @@ from deepspeed.utils import zero_to_fp32
 from deepspeed.utils.logging import logger as ds_logger
 from tests.unit.common import DistributedTest
 from tests.unit.common import world_size as run_on
-from tests.unit.test_engine import GLOBAL_BATCH, TinyLM, batches, gathered_params, my_slice
+from tests.unit.test_engine import GLOBAL_BATCH, TinyLM, batches, gathered_params, my_slice, train
 
 LR, MOMENTUM = 0.1, 0.9
 
@@ -46,18 +46,6 @@ def decay_groups(model, decay_lr=0.05, plain_lr=0.2):
         {"params": decay, "weight_decay": 0.1, "lr": decay_lr},
         {"params": plain, "weight_decay": 0.0, "lr": plain_lr},
     ]
-
-
-def train(engine, data):
-    losses = []
-    for ids, labels in data:
-        loss = engine(my_slice(ids), my_slice(labels))
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / dist.get_world_size())
-    return losses
 
 
 def train_reference(model, opt, data, scheduler=None):
