@@ -116,6 +116,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             self.optimizer.before_step = self._settle_live_gathers
             self.optimizer.after_step = self._refresh_full_params
             self.optimizer.parameter_offload = self.coordinator
+            self.optimizer.before_zero_grad = self._discard_unreduced_grads
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         self._grad_hooks = self._install_grad_hooks() if self.optimizer is not None else []
@@ -393,8 +394,20 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             f"{where}: gradients of this engine's parameters ({first}, ...) came from a backward outside "
             "engine.backward(loss), such as loss.backward(); the engine scales, reduces and partitions "
             "gradients in engine.backward, so call engine.backward(loss) instead (if another model's backward "
-            "reached these parameters, detach this engine's outputs there)"
+            "reached these parameters, discard those gradients with zero_grad() before this engine's "
+            "backward, or detach this engine's outputs there)"
         )
+
+    def _discard_unreduced_grads(self) -> None:
+        """`zero_grad`: gradients from a backward outside engine.backward are discarded, not refused.
+
+        Their full gradients may wait in the reducer's unsent bucket (engine.backward flushes
+        it, another backward does not); dropping them there, and the record that they came,
+        lets the usual loop of two models run: a GAN's generator loss reaches the
+        discriminator's parameters, whose gradients the discriminator's zero_grad then drops.
+        """
+        self.reducer.discard_pending()
+        self._stray_grads = []
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:

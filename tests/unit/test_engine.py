@@ -169,6 +169,51 @@ class TestEngineParity(DistributedTest):
         assert_parity(engine, losses, reference, ref_losses)
         assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
 
+    @run_on(2)
+    def test_gan_loop_discards_the_other_models_gradients_on_zero_grad(self):
+        """A GAN step: the generator's loss backpropagates through the discriminator, whose
+        gradients from it are dropped by its zero_grad before its own backward, as in plain
+        PyTorch (engine.zero_grad and the optimizer's zero_grad both do it)."""
+
+        def models():
+            torch.manual_seed(3)
+            gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+            disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+            return gen, disc
+
+        data = torch.Generator().manual_seed(4)
+        noise, real = (
+            torch.randn(3, GLOBAL_BATCH, 4, generator=data),
+            torch.randn(3, GLOBAL_BATCH, 4, generator=data),
+        )
+
+        def run(gen, disc, opt_g, opt_d, backward, part):
+            for step in range(3):
+                z, x = part(noise[step]), part(real[step])
+                opt_d.zero_grad()
+                backward(disc, disc(x).mean() - disc(gen(z).detach()).mean())
+                opt_d.step()
+                opt_g.zero_grad()
+                backward(gen, -disc(gen(z)).mean())  # reaches the discriminator's parameters too
+                opt_g.step()
+
+        ref_g, ref_d = models()
+        sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+        run(ref_g, ref_d, sgd(ref_g), sgd(ref_d), lambda m, loss: loss.backward(), lambda t: t)
+        for stage in (1, 2, 3):
+            gen, disc = models()
+            cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // 2, "zero_optimization": {"stage": stage}}
+            engines = [deepspeed.initialize(model=m, optimizer=sgd(m), config=cfg)[0] for m in (gen, disc)]
+            eng_g, eng_d = engines
+            # G through its optimizer (as Fabric steps), D through the engine: both zero_grads discard.
+            run(eng_g, eng_d, eng_g.optimizer, eng_d, lambda e, loss: e.backward(loss), my_slice)
+            for engine, ref in zip(engines, (ref_g, ref_d)):
+                got = gathered_params(engine.module)
+                for name, p in ref.named_parameters():
+                    torch.testing.assert_close(
+                        got[name], p.detach(), rtol=0, atol=1e-6, msg=f"{stage} {name}"
+                    )
+
     def test_gradient_accumulation_and_clipping(self):
         data = batches(10, seed=1)
         reference, ref_losses = reference_run(data, clip=0.5)

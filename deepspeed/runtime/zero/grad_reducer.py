@@ -116,6 +116,13 @@ class GradientReducer:
             self._reduce(key)
         self.wait_all()
 
+    def discard_pending(self) -> None:
+        """Drop the gradients added but not yet sent (a `zero_grad` after a backward outside
+        engine.backward, which does not flush); what was sent is waited on, as `wait_all`."""
+        self._pending.clear()
+        self._pending_elems.clear()
+        self.wait_all()
+
     def wait_all(self) -> None:
         while self._in_flight:
             self._complete(self._in_flight.pop(0))

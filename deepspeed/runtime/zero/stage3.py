@@ -159,6 +159,8 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         self.offload = master_device is not None  # masters, their grads and the state off the device
         self.before_step: Optional[Callable[[], None]] = None  # set by the engine (see step())
         self.after_step: Optional[Callable[[], None]] = None
+        # Set by the engine: drops what its hooks took from a backward outside engine.backward.
+        self.before_zero_grad: Optional[Callable[[], None]] = None
         # Stage 3: the engine's ParameterCoordinator, under upstream's name for the object that
         # owns the module hooks (hooks.py's note on the hooks under upstream's names); None below stage 3.
         self.parameter_offload: Any = None
@@ -320,7 +322,11 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         """Discard every gradient so far: free (or zero) the reduced fp32 shards, which between
         steps would cost 4 bytes/parameter, and the parameters' own `.grad`, where stages 0-1
         accumulate whole gradients until the boundary (and where one left before `initialize`
-        would otherwise join the first step), as upstream's zero_grad does."""
+        would otherwise join the first step), as upstream's zero_grad does. Gradients a
+        backward outside engine.backward left with the engine (another model's backward that
+        reached these parameters, as a GAN's generator loss does) are discarded too."""
+        if self.before_zero_grad is not None:
+            self.before_zero_grad()
         self._reduced_order = 0
         for state in self.states:
             if getattr(state, "accumulated", None) is not None:  # stages 0-1: an fp32 sum of micro-steps
