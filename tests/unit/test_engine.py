@@ -171,30 +171,38 @@ class TestEngineParity(DistributedTest):
 
     @run_on(2)
     def test_gan_loop_discards_the_other_models_gradients_on_zero_grad(self):
-        """A GAN step: the generator's loss backpropagates through the discriminator, whose
-        gradients from it are dropped by its zero_grad before its own backward, as in plain
-        PyTorch (engine.zero_grad and the optimizer's zero_grad both do it)."""
+        """A conditional GAN step: the generator's loss backpropagates through the
+        discriminator, whose gradients from it are dropped by its zero_grad before its own
+        backward, as in plain PyTorch (engine.zero_grad and the optimizer's zero_grad both do
+        it). At stage 3 that backward also gathered the label embedding, whose input needs no
+        gradient: its hold ends with the discriminator's next pass (hooks.py's `end_pass`)."""
+
+        class Critic(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.label = nn.Embedding(3, 4)
+                self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+            def forward(self, x, labels):
+                return self.body(x + self.label(labels))
 
         def models():
             torch.manual_seed(3)
-            gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
-            disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-            return gen, disc
+            return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)), Critic()
 
         data = torch.Generator().manual_seed(4)
-        noise, real = (
-            torch.randn(3, GLOBAL_BATCH, 4, generator=data),
-            torch.randn(3, GLOBAL_BATCH, 4, generator=data),
-        )
+        noise = torch.randn(3, GLOBAL_BATCH, 4, generator=data)
+        real = torch.randn(3, GLOBAL_BATCH, 4, generator=data)
+        labels = torch.randint(0, 3, (3, GLOBAL_BATCH), generator=data)
 
         def run(gen, disc, opt_g, opt_d, backward, part):
             for step in range(3):
-                z, x = part(noise[step]), part(real[step])
+                z, x, y = part(noise[step]), part(real[step]), part(labels[step])
                 opt_d.zero_grad()
-                backward(disc, disc(x).mean() - disc(gen(z).detach()).mean())
+                backward(disc, disc(x, y).mean() - disc(gen(z).detach(), y).mean())
                 opt_d.step()
                 opt_g.zero_grad()
-                backward(gen, -disc(gen(z)).mean())  # reaches the discriminator's parameters too
+                backward(gen, -disc(gen(z), y).mean())  # reaches the discriminator's parameters too
                 opt_g.step()
 
         ref_g, ref_d = models()
@@ -202,7 +210,8 @@ class TestEngineParity(DistributedTest):
         run(ref_g, ref_d, sgd(ref_g), sgd(ref_d), lambda m, loss: loss.backward(), lambda t: t)
         for stage in (1, 2, 3):
             gen, disc = models()
-            cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // 2, "zero_optimization": {"stage": stage}}
+            cfg = config(zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0})
+            del cfg["optimizer"]
             engines = [deepspeed.initialize(model=m, optimizer=sgd(m), config=cfg)[0] for m in (gen, disc)]
             eng_g, eng_d = engines
             # G through its optimizer (as Fabric steps), D through the engine: both zero_grads discard.
@@ -213,6 +222,10 @@ class TestEngineParity(DistributedTest):
                     torch.testing.assert_close(
                         got[name], p.detach(), rtol=0, atol=1e-6, msg=f"{stage} {name}"
                     )
+            if stage == 3:
+                with torch.no_grad():
+                    eng_d(my_slice(real[0]), my_slice(labels[0]))  # the next pass closes the last one
+                assert not eng_d.coordinator.pass_holds()
 
     def test_gradient_accumulation_and_clipping(self):
         data = batches(10, seed=1)

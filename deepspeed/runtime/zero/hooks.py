@@ -448,16 +448,23 @@ class ParameterCoordinator:
 
     def finish_backward(self) -> None:
         """Release what the backward pass left held (see both notes) and close the pass."""
-        for holds in self.backward_holds.values():
-            for hold in holds:
-                self._release(hold)
-        self.backward_holds.clear()
         self.end_pass()
 
     def end_pass(self) -> None:
+        """Close the pass: release every hold it left, whoever ran its backward.
+
+        Usually `finish_backward` calls it; the next outer forward does when the pass had no
+        backward of this engine: an eval forward, or another model's backward that ran
+        through this module (a GAN's generator loss through its discriminator), which enters
+        and leaves submodules' backward without finishing this engine's.
+        """
         for hold in reversed(self.forward_holds):  # forwards that never returned
             if hold.states:
                 self._release(hold)
+        for holds in self.backward_holds.values():  # backwards whose inputs needed no gradient
+            for hold in holds:
+                self._release(hold)
+        self.backward_holds.clear()
         for holds in self.recompute_holds.values():  # submodules whose backward never ended
             for hold in holds:
                 self._release(hold)
