@@ -184,6 +184,7 @@ class DoraLikeModel(nn.Module):
         weight = self.down.weight
         assert weight.shape == (4, WIDTH) and weight.size(1) == WIDTH and weight.size() == (4, WIDTH)
         assert weight.dim() == 2 and weight.numel() == 4 * WIDTH
+        assert weight.stride() == (WIDTH, 1) and weight.stride(0) == WIDTH and weight.stride(-1) == 1
         eye = torch.eye(weight.shape[1])
         delta = self.up(self.down(eye)).T  # (WIDTH, WIDTH): the low-rank update, as DoRA builds it
         h = h + torch.tanh(h @ delta)

@@ -109,7 +109,7 @@ class _AccessHook:
     Reading an attribute goes through `__torch_function__` as `__get__`. Most attributes
     (`data`, `grad`, `dtype`, `device`, `requires_grad`) say nothing about the values and
     never gather; the ones that are values (`T`, `mT`, `H`, `mH`, `real`, `imag`) are uses
-    like any other. Shape queries (`.shape`, `size()`, `dim()`, `numel()`) inside an engine's
+    like any other. Shape queries (`.shape`, `size()`, `dim()`, `numel()`, `stride()`) inside an engine's
     forward answer the parameter's full shape without a gather: upstream gathers a parameter
     as soon as a forward looks it up on its module, so code written for it reads real shapes
     there (peft's DoRA sizes an identity matrix by `lora_A.weight.shape[1]` before calling
@@ -462,7 +462,19 @@ def _full_shape_query(func, name: str, shape: torch.Size, args: tuple, kwargs: d
         return len(shape)
     if name == "numel":
         return shape.numel()
+    if name == "stride":  # a gathered parameter is a contiguous view of its buffer
+        strides = _contiguous_strides(shape)
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return strides if dim is None else strides[dim]
     return _NOT_INTERCEPTED
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple:
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
 
 
 class ZeroParameter(nn.Parameter):
