@@ -36,6 +36,13 @@ __all__ = [
     "pipe",
     "moe",
     "git_version_info",
+    "DeepSpeedConfigError",
+    "DeepSpeedDataLoader",
+    "PipelineModule",
+    "logger",
+    "log_dist",
+    "git_hash",
+    "git_branch",
 ]
 
 # attribute name -> (module, attribute in that module or None for the module itself)
@@ -51,6 +58,16 @@ _LAZY = {
     "get_accelerator": ("deepspeed.accelerator", "get_accelerator"),  # upstream exports it here too
     # Upstream's alias for the activation-checkpointing API.
     "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
+    # Other names upstream's package exports at the top level, which user scripts reach there.
+    "DeepSpeedConfigError": ("deepspeed.runtime.config", "DeepSpeedConfigError"),
+    "DeepSpeedDataLoader": ("deepspeed.runtime.dataloader", "DeepSpeedDataLoader"),
+    "PipelineModule": ("deepspeed.pipe", "PipelineModule"),
+    "logger": ("deepspeed.utils", "logger"),
+    "log_dist": ("deepspeed.utils", "log_dist"),
+    "git_hash": ("deepspeed.git_version_info", "git_hash"),
+    "git_branch": ("deepspeed.git_version_info", "git_branch"),
+    "__git_hash__": ("deepspeed.git_version_info", "git_hash"),
+    "__git_branch__": ("deepspeed.git_version_info", "git_branch"),
 }
 
 

@@ -61,6 +61,15 @@ NAMES = [
     "pipe.PipelineModule",
     "pipe.LayerSpec",
     "moe.layer.MoE",
+    "DeepSpeedConfigError",
+    "DeepSpeedDataLoader",
+    "PipelineModule",
+    "logger",
+    "log_dist",
+    "git_hash",
+    "git_branch",
+    "__git_hash__",
+    "__git_branch__",
 ]
 
 
