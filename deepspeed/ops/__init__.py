@@ -7,7 +7,7 @@ name: op -> whether it can be built here) is computed on first access too.
 
 from deepspeed import _lazy_attributes
 
-__all__ = ["adagrad", "adam", "op_builder"]
+__all__ = ["adagrad", "adam", "lion", "op_builder"]
 
 
 __getattr__ = _lazy_attributes(

@@ -157,6 +157,38 @@ class TestOptimizerSemantics(DistributedTest):
                     got[name], p.detach(), rtol=0, atol=2e-4, msg=f"stage {stage} {name}"
                 )
 
+    def test_config_lion_matches_plain_lion_at_every_stage_with_and_without_offload(self):
+        """An optimizer block of type Lion builds FusedLion, and DeepSpeedCPULion under
+        offload_optimizer; both train as plain Lion does. Lion steps by lr * sign(...), so
+        rounding noise near zero can flip an element's step: all but a few elements must agree
+        to 1e-6, and none by more than those flips (weight decay ignored would move them all)."""
+        from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+        data, lr, steps = batches(3, seed=25), 0.01, 3
+        reference = build()
+        ref_losses = train_reference(
+            reference, FusedLion(reference.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.5), data
+        )
+        params = {"lr": lr, "weight_decay": 0.5, "betas": [0.9, 0.99]}
+        for stage in (1, 2, 3):
+            for offload in (False, True):
+                model = build()
+                config = base_config(optimizer={"type": "Lion", "params": params})
+                config["zero_optimization"]["stage"] = stage
+                if offload:
+                    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+                engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config)
+                assert type(optimizer.optimizer) is (DeepSpeedCPULion if offload else FusedLion)
+                assert optimizer.param_groups[0]["betas"] == (0.9, 0.99)
+                losses = train(engine, data)
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+                got = gathered_params(model)
+                diffs = torch.cat(
+                    [(got[n] - p.detach()).abs().flatten() for n, p in reference.named_parameters()]
+                )
+                assert diffs.max() <= 2 * lr * steps, (stage, offload, diffs.max())
+                assert (diffs > 1e-6).float().mean() < 0.01, (stage, offload, (diffs > 1e-6).float().mean())
+
     def test_no_sync_accumulates_without_communication(self):
         """Stages 0-1: backward inside `no_sync()` reduces nothing, even at a boundary; the
         next backward outside it reduces the sum, which trains as plain PyTorch summing both

@@ -53,10 +53,11 @@ _SELECTOR_KEYS = ("torch_adam", "adam_w_mode")
 def build_config_optimizer(
     name: str, params: dict, groups: list, offload: bool = False
 ) -> torch.optim.Optimizer:
-    """A torch optimizer from the config's `optimizer` block (`type` Adam, AdamW, SGD or Adagrad).
+    """A torch optimizer from the config's `optimizer` block (`type` Adam, AdamW, SGD, Adagrad or Lion).
 
     With optimizer offload, Adam and AdamW step on the CPU with `DeepSpeedCPUAdam` (as
-    upstream), unless the block asks for `torch_adam`, and Adagrad with `DeepSpeedCPUAdagrad`.
+    upstream), unless the block asks for `torch_adam`, Adagrad with `DeepSpeedCPUAdagrad` and
+    Lion with `DeepSpeedCPULion` (`FusedLion` without offload, as upstream).
     """
     kwargs = {k: v for k, v in (params or {}).items() if k not in _SELECTOR_KEYS}
     name = (name or "").lower()
@@ -89,8 +90,12 @@ def build_config_optimizer(
         return DeepSpeedCPUAdagrad(groups, **kwargs)
     if name == "adagrad":
         return torch.optim.Adagrad(groups, **kwargs)
+    if name in ("lion", "fusedlion", "cpulion"):
+        from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+        return (DeepSpeedCPULion if offload or name == "cpulion" else FusedLion)(groups, **kwargs)
     raise ValueError(
-        f"optimizer.type={name!r} is not supported; use Adam, AdamW, SGD, Adagrad, CPUAdam or CPUAdagrad, "
+        f"optimizer.type={name!r} is not supported; use Adam, AdamW, SGD, Adagrad, Lion, CPUAdam, CPUAdagrad or CPULion, "
         "or pass a torch optimizer to deepspeed.initialize(optimizer=...)"
     )
 
@@ -99,8 +104,9 @@ def _is_ds_cpu_optimizer(client: Any) -> bool:
     """Whether `client` is one of the CPU optimizers that offload steps with (as upstream checks)."""
     from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.lion import DeepSpeedCPULion
 
-    return isinstance(client, (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad))
+    return isinstance(client, (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion))
 
 
 def is_optimizer_instance(obj: Any) -> bool:
@@ -239,7 +245,7 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             raise ZeROOffloadOptimizerError(
                 f"zero_optimization.offload_optimizer steps on the CPU, but the client optimizer is "
                 f"{type(client).__name__}; pass deepspeed.ops.adam.DeepSpeedCPUAdam or "
-                "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad (or use the config's "
+                "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad or deepspeed.ops.lion.DeepSpeedCPULion (or use the config's "
                 "optimizer block), or set zero_force_ds_cpu_optimizer: false to step it on the CPU anyway"
             )
         if not is_optimizer_instance(client):
