@@ -603,6 +603,18 @@ def test_optimizer_params_reach_the_optimizer_as_upstream_passes_them():
         build_config_optimizer("AdamW", {"fused": True}, groups, offload=True)
 
 
+def test_other_optimizer_types_are_torch_optim_classes_by_name():
+    from deepspeed.runtime.zero.stage3 import build_config_optimizer
+
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(3))]}]
+    opt = build_config_optimizer("RMSprop", {"lr": 0.05, "alpha": 0.9}, groups)
+    assert type(opt) is torch.optim.RMSprop and opt.defaults["alpha"] == 0.9
+    assert type(build_config_optimizer("NAdam", {}, groups)) is torch.optim.NAdam
+    for name in ("Foo", "LRScheduler", "rmsprop"):  # not an optimizer class (torch spells RMSprop)
+        with pytest.raises(ValueError, match=f"optimizer.type={name!r} is not supported"):
+            build_config_optimizer(name, {}, groups)
+
+
 def test_adagrad_config_builds_torch_adagrad_or_cpu_adagrad_under_offload():
     from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
     from deepspeed.runtime.zero.stage3 import build_config_optimizer

@@ -53,14 +53,15 @@ _SELECTOR_KEYS = ("torch_adam", "adam_w_mode")
 def build_config_optimizer(
     name: str, params: dict, groups: list, offload: bool = False
 ) -> torch.optim.Optimizer:
-    """A torch optimizer from the config's `optimizer` block (`type` Adam, AdamW, SGD, Adagrad or Lion).
+    """A torch optimizer from the config's `optimizer` block (`type` Adam, AdamW, SGD, Adagrad, Lion,
+    or any other torch.optim class by its name, as upstream looks them up).
 
     With optimizer offload, Adam and AdamW step on the CPU with `DeepSpeedCPUAdam` (as
     upstream), unless the block asks for `torch_adam`, Adagrad with `DeepSpeedCPUAdagrad` and
     Lion with `DeepSpeedCPULion` (`FusedLion` without offload, as upstream).
     """
     kwargs = {k: v for k, v in (params or {}).items() if k not in _SELECTOR_KEYS}
-    name = (name or "").lower()
+    written, name = name or "", (name or "").lower()
     torch_adam = bool((params or {}).get("torch_adam", False))
     if name in ("adam", "adamw") and not torch_adam:
         # Upstream builds its FusedAdam (or DeepSpeedCPUAdam) here, not torch's: their weight
@@ -94,9 +95,14 @@ def build_config_optimizer(
         from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
 
         return (DeepSpeedCPULion if offload or name == "cpulion" else FusedLion)(groups, **kwargs)
+    # Any other name is a torch.optim class, spelled as torch spells it (upstream looks it up so).
+    torch_class = getattr(torch.optim, written, None)
+    if isinstance(torch_class, type) and issubclass(torch_class, torch.optim.Optimizer):
+        return torch_class(groups, **kwargs)
     raise ValueError(
-        f"optimizer.type={name!r} is not supported; use Adam, AdamW, SGD, Adagrad, Lion, CPUAdam, CPUAdagrad or CPULion, "
-        "or pass a torch optimizer to deepspeed.initialize(optimizer=...)"
+        f"optimizer.type={written!r} is not supported; use Adam, AdamW, SGD, Adagrad, Lion, CPUAdam, CPUAdagrad, "
+        "CPULion or a torch.optim class by its name (RMSprop, NAdam, ...), or pass a torch optimizer to "
+        "deepspeed.initialize(optimizer=...)"
     )
 
 
