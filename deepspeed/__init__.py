@@ -41,6 +41,7 @@ __all__ = [
     "PipelineModule",
     "logger",
     "log_dist",
+    "OnDevice",
     "git_hash",
     "git_branch",
 ]
@@ -64,6 +65,7 @@ _LAZY = {
     "PipelineModule": ("deepspeed.pipe", "PipelineModule"),
     "logger": ("deepspeed.utils", "logger"),
     "log_dist": ("deepspeed.utils", "log_dist"),
+    "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
     "git_hash": ("deepspeed.git_version_info", "git_hash"),
     "git_branch": ("deepspeed.git_version_info", "git_branch"),
     "__git_hash__": ("deepspeed.git_version_info", "git_hash"),

@@ -15,6 +15,7 @@ _FRAGMENT = "deepspeed.utils.tensor_fragment"
 _LAZY = {
     "is_initialized": "deepspeed.comm",
     "RepeatingLoader": "deepspeed.runtime.dataloader",
+    "OnDevice": "deepspeed.utils.init_on_device",
     "set_z3_leaf_modules": _LEAF,
     "unset_z3_leaf_modules": _LEAF,
     "get_z3_leaf_modules": _LEAF,

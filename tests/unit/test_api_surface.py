@@ -66,6 +66,8 @@ NAMES = [
     "PipelineModule",
     "logger",
     "log_dist",
+    "OnDevice",
+    "utils.OnDevice",
     "git_hash",
     "git_branch",
     "__git_hash__",
