@@ -603,6 +603,11 @@ def test_optimizer_params_reach_the_optimizer_as_upstream_passes_them():
         build_config_optimizer("AdamW", {"fused": True}, groups, offload=True)
 
 
+def test_reduce_bucket_size_must_be_positive():
+    with pytest.raises(DeepSpeedConfigError, match="reduce_bucket_size: got 0"):
+        DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {"stage": 2, "reduce_bucket_size": 0}})
+
+
 def test_other_optimizer_types_are_torch_optim_classes_by_name():
     from deepspeed.runtime.zero.stage3 import build_config_optimizer
 

@@ -133,7 +133,7 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     reduce_scatter: bool = True
     """Average gradients with reduce-scatter instead of all-reduce (stages 1 and 2)."""
 
-    reduce_bucket_size: int = Field(int(5e8), ge=0)
+    reduce_bucket_size: int = Field(int(5e8), gt=0)
     """Number of gradient elements reduced at once."""
 
     use_multi_rank_bucket_allreduce: bool = True
