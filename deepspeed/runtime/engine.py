@@ -28,6 +28,7 @@ from deepspeed.runtime.host_malloc import keep_freed_memory_for_reuse
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
+from deepspeed.runtime.zero.leaf_grads import LeafGradients
 from deepspeed.runtime.zero.param_state import ZeroParamStatus, is_zero_param
 from deepspeed.runtime.zero.partition_parameters import GatherHold, Init, cast_partitioned
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3, ZeroStage3Optimizer
@@ -303,6 +304,13 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
 
     def _install_grad_hooks(self) -> list:
         self.reducer = GradientReducer.from_config(self._config, self.optimizer.accumulate_grad)
+        # [Note: a leaf's gradients are one unit] in leaf_grads.py
+        self.leaf_grads = LeafGradients(
+            self.module, self.optimizer.state_of, lambda state: state.ds_id in self.optimizer.masters
+        )
+        self.optimizer.leaf_grads = self.leaf_grads
+        if self.coordinator is not None:
+            self.coordinator.on_leaf_backward_done = self._on_leaf_backward_done
         handles = []
         for state in self.optimizer.states:
             handles.append(state.param.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -325,6 +333,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         if not self._inside_backward and len(self._stray_grads) < 3:
             self._stray_grads.append(param)  # refused at the next backward or step, see _refuse_stray_grads
         if self.zero_optimization_partition_gradients():
+            if self._inside_backward and self.leaf_grads.waits(param):
+                return  # reduced with the rest of its leaf module's gradients (leaf_grads.py)
             grad, param.grad = param.grad, None  # the full gradient lives only until it is packed
             self.reducer.add(self.optimizer.state_of(param), grad)
         elif self._inside_no_sync or not self.is_gradient_accumulation_boundary():
@@ -332,6 +342,10 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             # [Note: whole gradients accumulate in fp32] in stage_1_and_2.py). At the boundary
             # the gradient stays in param.grad: backward reduces them all once it is over.
             set_aside_grad(self.optimizer.state_of(param))
+
+    def _on_leaf_backward_done(self, module: nn.Module) -> None:
+        if self._inside_backward:
+            self.leaf_grads.leaf_backward_done(module, self.reducer)
 
     @staticmethod
     def _drop_grad(param: nn.Parameter) -> None:
@@ -356,6 +370,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         scaled = loss.float() * self.optimizer.loss_scale
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
+        self.leaf_grads.refresh()
         self._inside_backward = True
         try:
             scaled.backward(retain_graph=retain_graph)
@@ -363,6 +378,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             self._inside_backward = False
             if self.coordinator is not None:
                 self.coordinator.finish_backward()
+        if self.zero_optimization_partition_gradients():
+            self.leaf_grads.flush(self.reducer)
         self.reducer.flush()
         if (
             not self.zero_optimization_partition_gradients()
@@ -374,7 +391,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             # meet back to back instead of once per bucket inside backward, each meeting paying
             # the ranks' drift since the last one (1-3% of the decoder's step, measured side
             # by side). Between backward and step they sit in the gradient shards as at stages 2-3.
-            reduce_accumulated_grads(self.optimizer.states, self.reducer)
+            reduce_accumulated_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
         return loss
 
     def _refuse_stray_grads(self, where: str) -> None:
@@ -430,7 +447,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._refuse_stray_grads("engine.step()")
         if self.is_gradient_accumulation_boundary():
             if not self.zero_optimization_partition_gradients():  # a boundary that backward did not see
-                reduce_accumulated_grads(self.optimizer.states, self.reducer)
+                reduce_accumulated_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
             stepped = self.optimizer.step()  # settles live gathers, then refreshes full tensors
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))

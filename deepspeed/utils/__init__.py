@@ -8,7 +8,20 @@ free of a cycle and `import deepspeed.utils` light.
 from deepspeed import _lazy_attributes
 from deepspeed.utils.logging import log_dist, logger
 
-_LEAF = "deepspeed.utils.z3_leaf_module"
+# Imported eagerly (the module imports nothing heavy): the function `z3_leaf_module` shares its
+# module's name, and importing the submodule binds that name in this package to the module,
+# which a lazy attribute would never replace (upstream imports them eagerly too).
+from deepspeed.utils.z3_leaf_module import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
+
 _FRAGMENT = "deepspeed.utils.tensor_fragment"
 
 # public name -> the module that defines it
@@ -16,12 +29,7 @@ _LAZY = {
     "is_initialized": "deepspeed.comm",
     "RepeatingLoader": "deepspeed.runtime.dataloader",
     "OnDevice": "deepspeed.utils.init_on_device",
-    "set_z3_leaf_modules": _LEAF,
-    "unset_z3_leaf_modules": _LEAF,
-    "get_z3_leaf_modules": _LEAF,
-    "z3_leaf_module": _LEAF,
-    "z3_leaf_parameter": _LEAF,
-    "set_z3_leaf_module": _LEAF,
+    "safe_update_full_grad_vectorized": _FRAGMENT,
     **{
         f"safe_{verb}_{scope}_{what}": _FRAGMENT
         for verb in ("get", "set")
@@ -30,7 +38,21 @@ _LAZY = {
     },
 }
 
-__all__ = ["groups", "log_dist", "logger", "zero_to_fp32", *_LAZY]
+__all__ = [
+    "groups",
+    "log_dist",
+    "logger",
+    "zero_to_fp32",
+    "get_z3_leaf_modules",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
+    *_LAZY,
+]
 
 
 __getattr__ = _lazy_attributes(__name__, globals(), {name: (module, name) for name, module in _LAZY.items()})

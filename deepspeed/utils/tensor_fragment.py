@@ -33,6 +33,7 @@ from deepspeed.runtime.base_optimizer import owner_of
 __all__ = [
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
+    "safe_update_full_grad_vectorized",
     "safe_get_full_optimizer_state",
     "safe_get_local_fp32_param",
     "safe_get_local_grad",
@@ -231,6 +232,40 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     """Replace the parameter's gradient (full value on every rank) before the step."""
     optimizer, state = _owner(param, "safe_set_full_grad", required=True)
     _set_grad(optimizer, state, _own_slice(value, state, "safe_set_full_grad"))
+
+
+def safe_update_full_grad_vectorized(param_list: list, update_func: Any) -> None:
+    """Replace each parameter's full gradient by `update_func(full gradient, param)`.
+
+    Reads as `safe_get_full_grad` and writes back where that read: the reduced shards, or at
+    stages 0-1 between the micro-steps of an accumulation the whole gradient so far. A
+    collective: call it on every rank with the same list. Parameters without a gradient are
+    skipped (upstream's name; the updates run one parameter after another).
+    """
+    for param in param_list:
+        grad = safe_get_full_grad(param)
+        if grad is None:
+            continue
+        value = update_func(grad, param)
+        found = owner_of(param)
+        if found is None:
+            param.grad.copy_(value)  # not ZeRO-managed: its own gradient, as the getter read it
+            continue
+        optimizer, state = found
+        if _is_replicated(state) and _whole_grad(state) is not None:
+            _set_whole_grad(optimizer, state, value)
+        else:
+            _set_grad(optimizer, state, _own_slice(value, state, "safe_update_full_grad_vectorized"))
+
+
+def _set_whole_grad(optimizer: Any, state: Any, value: torch.Tensor) -> None:
+    """Stages 0-1 between micro-steps: the whole gradient so far becomes `value` (unscaled)."""
+    scale = float(getattr(optimizer, "loss_scale", 1.0) or 1.0)
+    scaled = value.detach().reshape(state.shape).to(torch.float32) * scale
+    if state.param.dtype == torch.float32:
+        state.param.grad, state.accumulated = scaled.to(state.param.device), None
+    else:  # low-precision gradients accumulate in fp32 (stage_1_and_2.py's note)
+        state.param.grad, state.accumulated = None, scaled.to(state.param.device)
 
 
 def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:

@@ -6,7 +6,9 @@ only the experts its router picked, and different ranks pick different ones. Per
 gathering would then issue different collectives on different ranks and hang. Marking the
 block a *leaf* makes the engine gather every parameter of its subtree when the block's
 forward (or backward) starts and release them when it ends; its descendants get no gathers
-of their own. The flag is the module attribute `_z3_leaf`, as upstream. Upstream reads it
+of their own. Its gradients are likewise reduced as one zero-filled unit, at every stage
+(runtime/zero/leaf_grads.py), so the experts a rank did not run do not change which
+reductions it makes either. The flag is the module attribute `_z3_leaf`, as upstream. Upstream reads it
 once, when the engine is built; ours re-reads it at the start of every forward pass, so a
 module marked after `deepspeed.initialize` takes effect from the next pass (mark between
 passes, never inside one).
@@ -14,9 +16,10 @@ passes, never inside one).
 
 from __future__ import annotations
 
-from typing import Union
+from typing import TYPE_CHECKING, Callable, Union
 
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where it is used: `deepspeed.utils` imports this module eagerly
+    from torch import nn
 
 _FLAG = "_z3_leaf"
 
@@ -36,14 +39,30 @@ def get_z3_leaf_modules(model: nn.Module) -> list:
     return [m for m in model.modules() if z3_leaf_module(m)]
 
 
+def _check_module(model: nn.Module, caller: str) -> None:
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller}: model must be an nn.Module, got {type(model).__name__}")
+
+
 def set_z3_leaf_module(model: nn.Module, flag: bool) -> None:
     """Mark (or unmark) `model` itself as a leaf module."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"set_z3_leaf_module: model must be an nn.Module, got {type(model).__name__}")
+    _check_module(model, "set_z3_leaf_module")
     if flag:
         setattr(model, _FLAG, True)
     elif _FLAG in model.__dict__:
         delattr(model, _FLAG)
+
+
+def _mark(module: nn.Module, flag: bool) -> None:
+    """Flag `module` and record it on its parameters (`z3_leaf_parameter`), or undo both."""
+    set_z3_leaf_module(module, flag)
+    for p in module.parameters():
+        if flag:
+            p.ds_z3_leaf_module = module
+        elif hasattr(p, "ds_z3_leaf_module"):
+            del p.ds_z3_leaf_module
 
 
 def _matches(module: nn.Module, classes: list) -> bool:
@@ -57,8 +76,9 @@ def _matches(module: nn.Module, classes: list) -> bool:
 
 
 def _set_flags(model: nn.Module, leaf_module_classes: list, flag: bool, raise_if_not_found: bool) -> list:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"set_z3_leaf_modules: model must be an nn.Module, got {type(model).__name__}")
+    from torch import nn
+
+    _check_module(model, "set_z3_leaf_modules")
     classes = list(leaf_module_classes)
     for cls in classes:
         if not (isinstance(cls, str) or (isinstance(cls, type) and issubclass(cls, nn.Module))):
@@ -70,12 +90,7 @@ def _set_flags(model: nn.Module, leaf_module_classes: list, flag: bool, raise_if
         names = [c if isinstance(c, str) else c.__name__ for c in classes]
         raise ValueError(f"no module of {type(model).__name__} is an instance of {names}")
     for module in matched:
-        set_z3_leaf_module(module, flag)
-        for p in module.parameters():
-            if flag:
-                p.ds_z3_leaf_module = module
-            elif hasattr(p, "ds_z3_leaf_module"):
-                del p.ds_z3_leaf_module
+        _mark(module, flag)
     return matched
 
 
@@ -92,3 +107,45 @@ def unset_z3_leaf_modules(
 ) -> list:
     """Undo `set_z3_leaf_modules` for these classes; returns the unmarked modules."""
     return _set_flags(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def _set_flags_where(
+    model: nn.Module, keys: list, matches: Callable, flag: bool, raise_if_not_found: bool, caller: str
+) -> tuple:
+    """Flag the modules whose `named_modules()` name matches one of `keys`; `(modules, missing keys)`."""
+    _check_module(model, caller)
+    named = list(model.named_modules())
+    marked, seen, missing = [], set(), []
+    for key in keys:
+        hits = [module for name, module in named if matches(name, key)]
+        if not hits:
+            missing.append(key)
+        for module in hits:
+            _mark(module, flag)
+            if id(module) not in seen:
+                seen.add(id(module))
+                marked.append(module)
+    if missing and raise_if_not_found:
+        raise ValueError(f"{caller}: no module of {type(model).__name__} matches {missing}")
+    return marked, missing
+
+
+def set_z3_leaf_modules_by_name(
+    model: nn.Module, module_names: list, flag: bool = True, raise_if_not_found: bool = True
+) -> tuple:
+    """Mark (`flag=False`: unmark) the modules named exactly as in `model.named_modules()`;
+    returns `(marked modules, names that matched none)`."""
+    return _set_flags_where(
+        model, list(module_names), lambda name, key: name == key, flag, raise_if_not_found,
+        "set_z3_leaf_modules_by_name",
+    )  # fmt: skip
+
+
+def set_z3_leaf_modules_by_suffix(
+    model: nn.Module, module_name_suffixes: list, flag: bool = True, raise_if_not_found: bool = True
+) -> tuple:
+    """As `set_z3_leaf_modules_by_name`, for every module whose name ends with one of the suffixes."""
+    return _set_flags_where(
+        model, list(module_name_suffixes), lambda name, key: name.endswith(key), flag, raise_if_not_found,
+        "set_z3_leaf_modules_by_suffix",
+    )  # fmt: skip

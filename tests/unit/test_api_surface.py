@@ -39,6 +39,9 @@ NAMES = [
     "utils.set_z3_leaf_modules",
     "utils.get_z3_leaf_modules",
     "utils.unset_z3_leaf_modules",
+    "utils.set_z3_leaf_modules_by_name",
+    "utils.set_z3_leaf_modules_by_suffix",
+    "utils.safe_update_full_grad_vectorized",
     "utils.is_initialized",
     *[
         f"utils.safe_{v}_{s}_{w}"
@@ -86,6 +89,40 @@ def test_every_name_resolves_after_a_bare_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_leaf_function_keeps_its_name_beside_its_module():
+    # The function z3_leaf_module shares its module's name; importing a sibling first (as
+    # upstream's own tests do) must still leave the function under that name.
+    code = (
+        "from deepspeed.utils import set_z3_leaf_modules, z3_leaf_module\n"
+        "from deepspeed.utils.z3_leaf_module import get_z3_leaf_modules\n"
+        "import torch\n"
+        "assert callable(z3_leaf_module) and z3_leaf_module(torch.nn.Linear(1, 1)) is False\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_leaf_modules_by_name_and_suffix():
+    from deepspeed.utils import (
+        get_z3_leaf_modules,
+        set_z3_leaf_modules_by_name,
+        set_z3_leaf_modules_by_suffix,
+        z3_leaf_parameter,
+    )
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    marked, missing = set_z3_leaf_modules_by_name(net, ["1", "nope"], raise_if_not_found=False)
+    assert marked == [net[1]] and missing == ["nope"] and z3_leaf_parameter(net[1][0].weight)
+    with pytest.raises(ValueError, match="nope"):
+        set_z3_leaf_modules_by_name(net, ["nope"])
+    marked, missing = set_z3_leaf_modules_by_suffix(net, [".1"])
+    assert marked == [net[1][1]] and missing == []
+    assert get_z3_leaf_modules(net) == [net[1], net[1][1]]
+    set_z3_leaf_modules_by_name(net, ["1", "1.1"], flag=False)
+    assert get_z3_leaf_modules(net) == [] and not z3_leaf_parameter(net[1][0].weight)
 
 
 def test_unknown_names_still_raise():
@@ -485,8 +522,102 @@ def _data(steps, seed=3):
     return [torch.randn(4, WIDTH, generator=gen) for _ in range(steps)]
 
 
+class RoutedExperts(nn.Module):
+    """A mixture of experts whose routing is data-dependent: the last input column names each
+    row's expert, so one rank's rows reach experts another rank's do not, and expert 3 none."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x, route):
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            rows = (route == index).nonzero(as_tuple=True)[0]
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]))
+        return x + out
+
+
+class MoENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.moe = RoutedExperts()
+        self.out = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        return self.out(self.moe(torch.tanh(self.inp(x[:, :WIDTH])), x[:, WIDTH].long()))
+
+
+def _moe_data(steps, micro_steps, world):
+    """Each rank's rows route to experts {rank, rank + 1} (expert 3 to none with 2 ranks)."""
+    gen = torch.Generator().manual_seed(5)
+    data = []
+    for _ in range(steps * micro_steps):
+        rows = []
+        for rank in range(world):
+            x = torch.randn(2, WIDTH, generator=gen)
+            route = torch.tensor([[rank], [rank + 1]], dtype=torch.float32)
+            rows.append(torch.cat([x, route], dim=1))
+        data.append(torch.cat(rows))
+    return data
+
+
 class TestApiSurfaceDistributed(DistributedTest):
     world_size = [1, 2]
+
+    def test_routed_experts_in_a_leaf_train_like_plain_pytorch_at_every_stage(self, monkeypatch):
+        """Ranks run different experts of a leaf-marked MoE; the leaf's gradients are reduced
+        as one zero-filled unit (leaf_grads.py), so every stage trains as plain PyTorch, and an
+        expert no rank ran is skipped by the optimizer (weight decay would move a zero-filled one)."""
+        from deepspeed.runtime.zero.leaf_grads import LeafGradients
+        from deepspeed.utils import set_z3_leaf_modules
+
+        world, gas, steps = dist.get_world_size(), 2, 3
+        data = _moe_data(steps, gas, world)
+        torch.manual_seed(11)
+        reference = MoENet()
+        initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+        for step in range(steps):
+            opt.zero_grad()
+            for micro in range(gas):
+                x = data[step * gas + micro]
+                per = x.shape[0] // world
+                loss = sum(_leaf_loss(reference, x[r * per : (r + 1) * per]) for r in range(world)) / world
+                (loss / gas).backward()
+            opt.step()
+        done_at_leaf_exit = []
+        real = LeafGradients.leaf_backward_done
+        monkeypatch.setattr(
+            LeafGradients, "leaf_backward_done", lambda s, m, r: done_at_leaf_exit.append(m) or real(s, m, r)
+        )
+        for stage in (1, 2, 3):
+            torch.manual_seed(11)
+            model = MoENet()
+            set_z3_leaf_modules(model, [RoutedExperts])
+            config = {
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": gas,
+                "optimizer": {
+                    "type": "AdamW",
+                    "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True},
+                },
+                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            }
+            engine, *_ = deepspeed.initialize(model=model, config=config)
+            done_at_leaf_exit.clear()
+            for x in data:
+                engine.backward(_leaf_loss(engine, _rank_slice(x)))
+                engine.step()
+            # Stage 3 reduces the unit when the leaf's backward ends, the others at the end of backward.
+            assert len(done_at_leaf_exit) == (len(data) if stage == 3 else 0), stage
+            _assert_same_params(engine, reference)
+            with deepspeed.zero.GatheredParameters(list(engine.module.moe.experts[3].parameters())):
+                assert torch.equal(engine.module.moe.experts[3].weight, initial["moe.experts.3.weight"]), (
+                    stage
+                )
 
     def test_leaf_module_is_fetched_as_one_unit(self, monkeypatch):
         from deepspeed.runtime.zero import gather
@@ -544,7 +675,7 @@ class TestApiSurfaceDistributed(DistributedTest):
         assert engine.module.router in owners and engine.module.router.a not in owners
 
     def test_safe_get_full_grad_between_micro_steps_at_every_stage(self):
-        from deepspeed.utils import safe_get_full_grad
+        from deepspeed.utils import safe_get_full_grad, safe_update_full_grad_vectorized
 
         x = torch.ones(2, WIDTH) * (dist.get_rank() + 1)  # each rank its own gradient
         for stage in (0, 1, 2, 3):
@@ -561,6 +692,9 @@ class TestApiSurfaceDistributed(DistributedTest):
                 others = [torch.empty_like(got) for _ in range(dist.get_world_size())]
                 dist.all_gather(others, got)
                 assert all(torch.equal(o, got) for o in others), stage
+            # Updated where it was read: the whole gradient so far (stages 0-1) or the reduced shards.
+            safe_update_full_grad_vectorized([model.weight, model.bias], lambda grad, param: grad * 3 + 1)
+            torch.testing.assert_close(safe_get_full_grad(model.weight), got * 3 + 1, msg=str(stage))
             engine.step()
 
     def test_safe_get_and_set_match_the_reference(self):

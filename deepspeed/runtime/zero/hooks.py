@@ -56,6 +56,9 @@ and its descendants hold nothing of their own, so which children run (a router p
 experts) never changes which collectives a rank issues. The set of descendants is re-read at
 the start of each outer forward, so a leaf marked after the engine was built counts from the
 next pass. A parameter used outside its module inside a leaf is registered with the leaf.
+The coordinator also counts each leaf's forward uses in a pass and tells the engine when the
+backward of the last one is over (`on_leaf_backward_done`), when the leaf's gradients are
+reduced as one unit (leaf_grads.py).
 """
 
 from __future__ import annotations
@@ -271,6 +274,10 @@ class ParameterCoordinator:
         self.recompute_holds: dict = {}
         self.awaiting_backward = False  # a grad-enabled forward finished and no backward closed it
         self.under_leaf: set = _under_leaves(module)  # ids of modules inside a leaf: they hold nothing
+        # Set by the engine: called with a leaf module once the backward of its last forward use
+        # in the pass is over (leaf_grads.py); id(leaf) -> forward uses whose backward is pending.
+        self.on_leaf_backward_done: Optional[Any] = None
+        self.leaf_uses: dict = {}
         # id(module) -> what its forward and backward hold, computed once per pass: backward
         # (and a checkpointed recomputation) reuses the forward's list. Cleared when a pass
         # starts, and per module when a parameter used outside it is registered with it.
@@ -348,6 +355,8 @@ class ParameterCoordinator:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if not self.forward_holds:
             self._begin_outer_forward()
+        if id(module) not in self.under_leaf and z3_leaf_module(module) and not _in_backward():
+            self.leaf_uses[id(module)] = self.leaf_uses.get(id(module), 0) + 1
         hold = _Hold(module, "forward", self._states_for(module))
         self.forward_holds.append(hold)
         if not hold.states:
@@ -439,12 +448,19 @@ class ParameterCoordinator:
         for kept in self.recompute_holds.pop(id(module), []):
             self._release(kept)
         held = self.backward_holds.get(id(module))
-        if not held:
-            return  # its backward entry never ran (no output needed a gradient)
-        hold = held.pop()
-        if not held:
-            del self.backward_holds[id(module)]
-        self._release(hold)
+        if held:
+            hold = held.pop()
+            if not held:
+                del self.backward_holds[id(module)]
+            self._release(hold)
+        uses = self.leaf_uses.get(id(module))
+        if uses is not None:
+            if uses > 1:
+                self.leaf_uses[id(module)] = uses - 1
+            else:
+                del self.leaf_uses[id(module)]
+                if self.on_leaf_backward_done is not None:
+                    self.on_leaf_backward_done(module)
 
     def finish_backward(self) -> None:
         """Release what the backward pass left held (see both notes) and close the pass."""
@@ -469,6 +485,7 @@ class ParameterCoordinator:
             for hold in holds:
                 self._release(hold)
         self.recompute_holds.clear()
+        self.leaf_uses.clear()
         if self.forward_holds:
             self.forward_holds.clear()
             ACCESS_HOOK.pop(self._on_access)

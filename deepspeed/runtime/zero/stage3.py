@@ -173,6 +173,9 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         self.after_step: Optional[Callable[[], None]] = None
         # Set by the engine: drops what its hooks took from a backward outside engine.backward.
         self.before_zero_grad: Optional[Callable[[], None]] = None
+        # Set by the engine: its leaf-module units, whose unused parameters a step must skip
+        # (leaf_grads.py's note); None: there are none to ask about.
+        self.leaf_grads: Any = None
         # Stage 3: the engine's ParameterCoordinator, under upstream's name for the object that
         # owns the module hooks (hooks.py's note on the hooks under upstream's names); None below stage 3.
         self.parameter_offload: Any = None
@@ -340,6 +343,8 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         if self.before_zero_grad is not None:
             self.before_zero_grad()
         self._reduced_order = 0
+        if self.leaf_grads is not None:
+            self.leaf_grads.present.clear()
         for state in self.states:
             if getattr(state, "accumulated", None) is not None:  # stages 0-1: an fp32 sum of micro-steps
                 state.accumulated = None
@@ -373,12 +378,18 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         grads = self._grads()
         comm_device = torch.device(get_accelerator().current_device_name())
         signature = self._reduced_order
-        local = torch.tensor([0.0, signature, signature * signature], dtype=torch.float64, device=comm_device)
+        # Which leaf-module parameters got a real gradient here (leaf_grads.py's note) ride along.
+        presence = self.leaf_grads.presence() if self.leaf_grads is not None else []
+        local = torch.tensor(
+            [0.0, signature, signature * signature, *presence], dtype=torch.float64, device=comm_device
+        )
         if grads:
             norms = torch._foreach_norm(grads)
             local[0] += torch.stack([n.to(comm_device) for n in norms]).double().pow(2).sum()
         dist.all_reduce(local, group=self.group)
-        norm_sq, signatures, squares = local.tolist()
+        norm_sq, signatures, squares, *used = local.tolist()
+        for ds_id in self.leaf_grads.unused(used) if presence else []:
+            self.masters[ds_id].grad = None  # zero-filled on every rank: no rank used it
         if squares * dist.get_world_size(self.group) != signatures * signatures:
             raise RuntimeError(
                 "ZeRO step: the ranks reduced gradients of different parameters in this step (a parameter "

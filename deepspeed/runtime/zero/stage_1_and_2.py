@@ -20,7 +20,7 @@ steps them unchanged, since a `ReplicatedShard` answers the same questions as a 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -144,10 +144,14 @@ def take_whole_grad(state: ReplicatedShard) -> Optional[torch.Tensor]:
     return summed.add_(grad)
 
 
-def reduce_accumulated_grads(states: list, reducer: Any) -> None:
-    """Stage 1 (and 0), at a step: reduce-scatter each accumulated gradient, then free it."""
+def reduce_accumulated_grads(states: list, reducer: Any, fill: Callable) -> None:
+    """Stage 1 (and 0), at a step: reduce-scatter each accumulated gradient, then free it.
+
+    `fill(state, grad)` gives what to reduce: the gradient, or a zero gradient for a leaf
+    module's parameter this rank did not use (see leaf_grads.py), or None to skip.
+    """
     for state in states:
-        grad = take_whole_grad(state)
+        grad = fill(state, take_whole_grad(state))
         if grad is not None:
             reducer.add(state, grad)
     reducer.flush()
