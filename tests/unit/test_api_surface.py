@@ -539,7 +539,7 @@ class RoutedExperts(nn.Module):
         return x + out
 
 
-class MoENet(nn.Module):
+class RoutedMoENet(nn.Module):
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(WIDTH, WIDTH)
@@ -577,7 +577,7 @@ class TestApiSurfaceDistributed(DistributedTest):
         world, gas, steps = dist.get_world_size(), 2, 3
         data = _moe_data(steps, gas, world)
         torch.manual_seed(11)
-        reference = MoENet()
+        reference = RoutedMoENet()
         initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
         opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
         for step in range(steps):
@@ -595,7 +595,7 @@ class TestApiSurfaceDistributed(DistributedTest):
         )
         for stage in (1, 2, 3):
             torch.manual_seed(11)
-            model = MoENet()
+            model = RoutedMoENet()
             set_z3_leaf_modules(model, [RoutedExperts])
             config = {
                 "train_micro_batch_size_per_gpu": 2,
@@ -940,6 +940,21 @@ class TestApiSurfaceDistributed(DistributedTest):
         data = [torch.randn(4, 3, WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(4)]
         reference = _reference_train(MoENet, data, lambda m, x: m(x))
         engine = _engine_train(MoENet, data, lambda m, x: m(x))
+        _assert_same_params(engine, reference)
+        # Upstream's tutorial: a client optimizer over groups with the experts split out.
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        torch.manual_seed(7)
+        model = MoENet()
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "dense"}
+        )
+        assert [g["name"] for g in groups] == ["dense", "ep_size_1"] and groups[1]["moe"]
+        client = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=_cfg())
+        for x in data:
+            engine.backward(engine(_rank_slice(x)))
+            engine.step()
         _assert_same_params(engine, reference)
 
     def test_pipeline_module_trains_like_sequential(self):
