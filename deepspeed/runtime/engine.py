@@ -237,7 +237,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         on_cpu = offload is not None and offload.device == "cpu"
         placement = {
             "master_device": torch.device("cpu") if on_cpu else None,
-            "pin_masters": on_cpu and offload.pin_memory,
+            # Pinning means nothing where the accelerator is the CPU itself.
+            "pin_masters": on_cpu and offload.pin_memory and get_accelerator().device_name() != "cpu",
         }
         # One wrapper for every stage, under upstream's class name for the stage.
         wrapper = DeepSpeedZeroOptimizer_Stage3 if self.partitions_weights else DeepSpeedZeroOptimizer

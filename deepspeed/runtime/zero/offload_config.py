@@ -77,8 +77,9 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     max_in_cpu: int = Field(int(1e9), ge=0)
     """Number of parameter elements kept in CPU memory when offloading to NVMe."""
 
-    pin_memory: bool = False
-    """Use page-locked CPU memory: faster copies, at the cost of pinned host memory."""
+    pin_memory: bool = True
+    """Use page-locked CPU memory where the accelerator pins: faster copies, at the cost of
+    pinned host memory (upstream's default, True)."""
 
 
 class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
@@ -114,8 +115,9 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     buffer_count: int = Field(4, ge=0)
     """Buffers in the NVMe swap pool; at least the optimizer's states per parameter (Adam: 4)."""
 
-    pin_memory: bool = False
-    """Use page-locked CPU memory: faster copies, at the cost of pinned host memory."""
+    pin_memory: bool = True
+    """Use page-locked CPU memory where the accelerator pins: faster copies, at the cost of
+    pinned host memory (upstream's default, True)."""
 
     pipeline_read: bool = False
     """NVMe: read the next tile of optimizer state while the current tile is updated."""
