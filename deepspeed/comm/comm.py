@@ -150,6 +150,7 @@ def init_distributed(
     if dist_init_required is False:
         return
     if _dist.is_initialized():
+        _destroy_before_teardown()  # whoever made it (accelerate, Lightning) may not destroy it
         return  # the caller (or a launcher) already set torch.distributed up: wrap it as it is
     if auto_mpi_discovery and rank < 0 and world_size < 0 and not {"RANK", "WORLD_SIZE"} & set(os.environ):
         found = env_discovery.apply()
@@ -186,15 +187,28 @@ def init_distributed(
         world_size=world_value,
         timeout=timeout or default_timeout(),
     )
-    atexit.register(_destroy_at_exit)
+    _destroy_before_teardown()
+
+
+_EXIT_HOOK = []  # holds True once `_destroy_at_exit` is registered
+
+
+def _destroy_before_teardown() -> None:
+    """Register `_destroy_at_exit` once, for the group this process trains with."""
+    if not _EXIT_HOOK:
+        atexit.register(_destroy_at_exit)
+        _EXIT_HOOK.append(True)
 
 
 def _destroy_at_exit() -> None:
-    """Destroy the group this module created, if the program did not, before the interpreter tears down.
+    """Destroy the default group, if the program did not, before the interpreter tears down.
 
     A gloo group left to be destroyed during interpreter teardown can abort the process
-    ("terminate called without an active exception") after a run that otherwise succeeded.
-    Destroying it is local (no collective), so it cannot hang on a peer that already exited.
+    ("terminate called without an active exception", pytorch/pytorch#190489) after a run
+    that otherwise succeeded. That holds for a group a client made (accelerate's
+    PartialState, Lightning) as much as for one `init_distributed` made, so both register
+    this. Destroying is local (no collective), so it cannot hang on a peer that already
+    exited; a program that destroyed the group itself makes it a no-op.
     """
     if _dist.is_available() and _dist.is_initialized():
         _dist.destroy_process_group()

@@ -520,3 +520,23 @@ def test_init_distributed_refuses_an_enabled_comms_logger():
         facade._refuse_comms_logger({"comms_logger": {"enabled": True}})
     facade._refuse_comms_logger({"comms_logger": {"enabled": False}, "train_batch_size": 1})
     facade._refuse_comms_logger(None)
+
+
+@pytest.mark.parametrize("made_by", ["deepspeed", "client"])
+def test_the_group_is_destroyed_before_interpreter_teardown(made_by):
+    """Whoever made the default group (init_distributed, or a client such as accelerate before
+    it), it is destroyed at exit while the interpreter is alive: a gloo group left to teardown
+    can abort a finished run. The script's own exit handler, registered first, runs last."""
+    port = get_free_port()
+    code = (
+        "import atexit, os, torch.distributed as td\n"
+        "atexit.register(lambda: print('initialized at exit:', td.is_initialized(), flush=True))\n"
+        "import deepspeed\n"
+        f"os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{port}', RANK='0', WORLD_SIZE='1')\n"
+        + ("td.init_process_group('gloo')\n" if made_by == "client" else "")
+        + "deepspeed.init_distributed('gloo')\n"
+        "assert td.is_initialized()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "initialized at exit: False" in out.stdout, out.stdout
