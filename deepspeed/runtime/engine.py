@@ -89,6 +89,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._inside_backward = False  # engine.backward is running autograd
         self._stray_grads: list = []  # params whose gradients came from a backward outside it
         self._inside_no_sync = False  # see no_sync()
+        self._is_compiled = False  # see compile()
         zero = self._config.zero_config
         # Stages 0-2 keep full parameters (stage_1_and_2.py's note); stage 3 partitions them.
         self.partitions_weights = self._config.zero_optimization_stage == 3
@@ -749,6 +750,47 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 if state.status is ZeroParamStatus.AVAILABLE and not state.holds
             ]
         )
+
+    def compile(
+        self,
+        backend: Optional[str] = None,
+        compile_kwargs: Optional[dict] = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """`torch.compile` the module in place (`nn.Module.compile`), as upstream's engine does;
+        accelerate calls it for a dynamo-enabled DeepSpeed run (HF Trainer's `torch_compile`).
+
+        `backend` defaults to the accelerator's (`get_accelerator().get_compile_backend()`);
+        `compile_kwargs` go to torch.compile. A second call is a no-op. ZeRO-3's module hooks
+        run eagerly between compiled regions (dynamo breaks its graph at them), so stage 3
+        gains less than stages 0-2, whose parameters need no hooks. Upstream's DeepCompile
+        (`schedule`) and compiled autograd are not implemented: refused by name.
+        """
+        if schedule is not None:
+            raise NotImplementedError(
+                "engine.compile: schedule= (DeepCompile) is not implemented; call compile() without it"
+            )
+        if compiled_autograd_enabled:
+            raise NotImplementedError(
+                "engine.compile: compiled_autograd_enabled=True is not implemented; leave it False"
+            )
+        if self._is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:
+            raise ValueError(
+                "engine.compile: pass the backend as compile(backend=...), not inside compile_kwargs"
+            )
+        if self.coordinator is not None:
+            self.coordinator.exclude_from_compile()
+        self.module.compile(backend=backend or get_accelerator().get_compile_backend(), **kwargs)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether `compile()` compiled the module."""
+        return self._is_compiled
 
     @contextlib.contextmanager
     def no_sync(self):

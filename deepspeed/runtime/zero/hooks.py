@@ -309,6 +309,17 @@ class ParameterCoordinator:
     # Upstream's name for the same before DeepSpeed 0.16.4, which TRL calls on older versions.
     _register_hooks_recursively = _register_deepspeed_module
 
+    def exclude_from_compile(self) -> None:
+        """Keep torch.compile out of the hooks (`engine.compile()`): they gather, release and
+        count with Python state that a traced graph would freeze into guards, so they run eagerly
+        and dynamo breaks its graph around them. Re-registers the forward hooks."""
+        import torch.compiler
+
+        for name in ("_pre_forward", "_post_forward", "enter_backward", "exit_backward", "_on_access"):
+            setattr(self, name, torch.compiler.disable(getattr(self, name)))
+        self.remove_hooks()
+        self._register_deepspeed_module(self.module)
+
     def remove_hooks(self) -> None:
         for handle in self.forward_hooks + self.backward_hooks:
             handle.remove()
