@@ -41,6 +41,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
 )
 from deepspeed.utils import groups
 from deepspeed.utils.logging import logger
+from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules_by_granularity
 
 
 class NoSyncError(AssertionError):
@@ -99,6 +100,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self.persistent: list = []  # stage 3: parameters that stay gathered
         if self.partitions_weights:
             self._prepare_module()
+            self._mark_fine_grained_leaves(zero.module_granularity_threshold)
             self.coordinator = ParameterCoordinator(
                 model, zero.prefetch_bucket_size, zero.max_live_parameters, zero.max_reuse_distance
             )
@@ -303,6 +305,26 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             num_workers=num_local_io_workers or 0,
             pin_memory=pin_memory and get_accelerator().device_name() != "cpu",
         )
+
+    def _mark_fine_grained_leaves(self, threshold: int) -> None:
+        """`stage3_module_granularity_threshold`: fine-grained modules become leaf modules."""
+        if threshold <= 0:
+            return
+        marked, finest = set_z3_leaf_modules_by_granularity(self.module, threshold)
+        if dist.get_rank() != 0:
+            return
+        if marked:
+            names = {id(m): n for n, m in self.module.named_modules()}
+            logger.info(
+                f"stage3_module_granularity_threshold={threshold}: {len(marked)} module(s) fetched as one unit: "
+                + ", ".join(names[id(m)] or type(m).__name__ for m in marked[:8])
+                + (", ..." if len(marked) > 8 else "")
+            )
+        else:
+            logger.warning(
+                f"stage3_module_granularity_threshold={threshold} marks no module: the finest module has "
+                f"{finest} parameters per layer; set the threshold to at least that to fetch it as one unit"
+            )
 
     def _install_grad_hooks(self) -> list:
         self.reducer = GradientReducer.from_config(self._config, self.optimizer.accumulate_grad)

@@ -149,3 +149,69 @@ def set_z3_leaf_modules_by_suffix(
         model, list(module_name_suffixes), lambda name, key: name.endswith(key), flag, raise_if_not_found,
         "set_z3_leaf_modules_by_suffix",
     )  # fmt: skip
+
+
+# [Note: leaves by granularity]
+# `zero_optimization.stage3_module_granularity_threshold` (upstream's option) marks fine-grained
+# modules as leaves, so a block of many small layers is fetched with one gather instead of
+# one per layer. A module's granularity is its subtree's parameter count divided by the
+# number of layers in it: each parameterized module with no children counts one layer, each
+# module above them one more; a container (ModuleList, Sequential, ...) adds none and is never
+# a leaf itself, since it may not run as a unit; a module without parameters, a module with
+# no children and a subtree over 1e9 parameters are never leaves. From the root down, the
+# first module whose granularity is at most the threshold becomes a leaf (its subtree is not
+# searched further), as upstream marks them.
+_MAX_LEAF_PARAMETERS = 10**9
+
+
+def _granularities(root: nn.Module) -> dict:
+    """id(module) -> granularity (None: never a leaf), per the note above."""
+    from torch import nn
+
+    containers = {getattr(nn, name) for name in nn.modules.container.__all__ if hasattr(nn, name)}
+    found: dict = {}
+
+    def numel(p) -> int:
+        return int(getattr(p, "ds_numel", None) or p.numel())
+
+    def visit(module: nn.Module) -> tuple:
+        children = list(module.children())
+        own = sum(numel(p) for p in module.parameters(recurse=False))
+        if not children:
+            found[id(module)] = None
+            return (1 if own else 0), own
+        layers, params = 0, own
+        for child in children:
+            child_layers, child_params = visit(child)
+            layers, params = layers + child_layers, params + child_params
+        if params == 0 or type(module) in containers:
+            found[id(module)] = None
+            return layers, params
+        layers += 1
+        found[id(module)] = params // layers if params <= _MAX_LEAF_PARAMETERS else None
+        return layers, params
+
+    visit(root)
+    return found
+
+
+def set_z3_leaf_modules_by_granularity(model: nn.Module, threshold: int) -> tuple:
+    """Mark `model`'s fine-grained modules as leaves (see the note); `(marked modules, finest
+    granularity found or None)`, the latter telling the caller what threshold would mark one."""
+    _check_module(model, "set_z3_leaf_modules_by_granularity")
+    found = _granularities(model)
+    values = [g for g in found.values() if g is not None]
+    marked: list = []
+
+    def mark(module: nn.Module) -> None:
+        granularity = found.get(id(module))
+        if granularity is not None and granularity <= threshold:
+            _mark(module, True)
+            marked.append(module)
+            return
+        for child in module.children():
+            mark(child)
+
+    if threshold > 0:
+        mark(model)
+    return marked, (min(values) if values else None)

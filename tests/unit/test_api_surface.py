@@ -125,6 +125,42 @@ def test_leaf_modules_by_name_and_suffix():
     assert get_z3_leaf_modules(net) == [] and not z3_leaf_parameter(net[1][0].weight)
 
 
+class _FineBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.parts = nn.ModuleList(
+            nn.Linear(2, 2) for _ in range(3)
+        )  # 18 parameters, 4 layers with the block
+
+    def forward(self, x):
+        head, tail = x[:, :2], x[:, 2:]
+        for part in self.parts:
+            head = torch.tanh(part(head))
+        return torch.cat([head, tail], dim=1)
+
+
+class _GranularNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)  # 42 parameters
+        self.fine = _FineBlock()
+        self.out = nn.Linear(WIDTH, 1)  # 7: the net has 67 parameters in 7 layers, 9 per layer
+
+    def forward(self, x):
+        return self.out(self.fine(torch.relu(self.inp(x))))
+
+
+def test_leaf_modules_by_granularity():
+    from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules_by_granularity
+
+    assert set_z3_leaf_modules_by_granularity(_GranularNet(), 3)[0] == []  # finest is 18 // 4 = 4
+    assert set_z3_leaf_modules_by_granularity(_GranularNet(), 3)[1] == 4
+    net = _GranularNet()
+    assert set_z3_leaf_modules_by_granularity(net, 5)[0] == [net.fine]  # the net itself is 9
+    net = _GranularNet()
+    assert set_z3_leaf_modules_by_granularity(net, 9)[0] == [net]  # from the root down: the first that fits
+
+
 def test_unknown_names_still_raise():
     with pytest.raises(AttributeError):
         deepspeed.no_such_thing  # noqa: B018
@@ -655,6 +691,15 @@ class TestApiSurfaceDistributed(DistributedTest):
         engine.backward(_leaf_loss(engine, _rank_slice(data[0])))
         engine.step()
         assert not [f for f in fetches if f[0] == "Router"]  # unmarked: children fetch their own
+
+    def test_granularity_threshold_fetches_fine_blocks_as_one_unit(self):
+        from deepspeed.utils import get_z3_leaf_modules
+
+        data = _data(3)
+        reference = _reference_train(_GranularNet, data, _leaf_loss)
+        engine = _engine_train(_GranularNet, data, _leaf_loss, stage3_module_granularity_threshold=5)
+        assert get_z3_leaf_modules(engine.module) == [engine.module.fine]
+        _assert_same_params(engine, reference)
 
     def test_leaf_marked_after_initialize_counts_from_next_pass(self, monkeypatch):
         from deepspeed.runtime.zero import gather

@@ -209,8 +209,8 @@ def test_every_key_is_in_the_docs_table():
 
 
 def test_aliases_are_refused_too():
-    with pytest.raises(ValueError, match=r"zero_optimization\.module_granularity_threshold=7"):
-        get_zero_config({"zero_optimization": {"stage3_module_granularity_threshold": 7}})
+    with pytest.raises(ValueError, match=r"zero_optimization\.use_all_reduce_for_fetch_params=True"):
+        get_zero_config({"zero_optimization": {"stage3_use_all_reduce_for_fetch_params": True}})
 
 
 def test_assignment_after_parsing_is_checked():

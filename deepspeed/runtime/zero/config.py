@@ -73,9 +73,6 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             "a checkpoint load always restores the fp32 master shards and the weights from them; "
             "remove the key or set it to true"
         ),
-        "module_granularity_threshold": _refuse(
-            "fetching fine-grained modules as one unit", "remove the key or set it to 0"
-        ),
         "use_all_reduce_for_fetch_params": _refuse(
             "fetching parameters by all-reduce", "parameters are all-gathered; set it to false"
         ),
@@ -185,7 +182,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Stage 3: `save_16bit_model()` gathers the full 16-bit weights and saves them."""
 
     module_granularity_threshold: int = Field(0, ge=0, alias="stage3_module_granularity_threshold")
-    """Stage 3: modules finer than this (params per descendant) are fetched as one unit."""
+    """Stage 3: modules whose parameters per layer are at most this are marked as leaves and
+    fetched as one unit (utils/z3_leaf_module.py's note on granularity); 0: none."""
 
     use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")
     """Stage 3: fetch parameters with all-reduce rather than all-gather."""
