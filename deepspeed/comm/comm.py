@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -211,7 +212,7 @@ def _destroy_at_exit() -> None:
     exited; a program that destroyed the group itself makes it a no-op.
     """
     if _dist.is_available() and _dist.is_initialized():
-        _dist.destroy_process_group()
+        destroy_process_group()  # ours: the channels go too
 
 
 def is_initialized() -> bool:
@@ -274,9 +275,12 @@ def new_group(ranks: Optional[list] = None, **kwargs: Any) -> ProcessGroup:
 # ----------------------------------------------------------------------------- shared memory
 
 # Each gloo group's shared-memory channel, None where it cannot have one ([Note: shared-memory
-# collectives] in shm.py). Keyed by the group object (the default group for None): a group
-# destroyed behind our back keeps its entry until the next channel is made, which drops it.
-_SHM_CHANNELS: dict = {}
+# collectives] in shm.py). Keyed weakly by the group object (the default group for None): a
+# strong key kept a group that a client destroyed with torch's own destroy_process_group
+# alive, and with it gloo's threads, which then met interpreter teardown and aborted the
+# process ("terminate called without an active exception"). A destroyed group that someone
+# still references keeps its entry until the next channel is made, which drops it.
+_SHM_CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _shm_channel(group: Optional[ProcessGroup], *tensors: torch.Tensor) -> Optional[shm.ShmChannel]:

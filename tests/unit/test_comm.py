@@ -540,3 +540,27 @@ def test_the_group_is_destroyed_before_interpreter_teardown(made_by):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "initialized at exit: False" in out.stdout, out.stdout
+
+
+def test_a_group_destroyed_by_torch_leaves_no_gloo_threads():
+    """A client that destroys the group with torch's own destroy_process_group (accelerate
+    does) frees it: the channel table must not keep the group, and gloo's threads, alive
+    into interpreter teardown."""
+    port = get_free_port()
+    code = (
+        "import gc, os, torch, torch.distributed as td\n"
+        "import deepspeed.comm as dist\n"
+        "def gloo_threads():\n"
+        "    tasks = os.listdir('/proc/self/task')\n"
+        "    return [n for n in (open(f'/proc/self/task/{t}/comm').read().strip() for t in tasks) if 'gloo' in n]\n"
+        f"os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{port}', RANK='0', WORLD_SIZE='1')\n"
+        "td.init_process_group('gloo')\n"
+        "dist.all_reduce(torch.ones(2))\n"
+        "assert gloo_threads()\n"
+        "td.destroy_process_group()\n"
+        "gc.collect()\n"
+        "print('left:', gloo_threads())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "left: []" in out.stdout, out.stdout
