@@ -165,6 +165,11 @@ class TestInitParity(DistributedTest):
         assert torch.all(layer.weight.data == 2.0) and layer.bias.shape == (3,)
         layer.weight.partition(param_list=[layer.weight, layer.bias])
         assert layer.bias.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        w.all_gather()
+        with pytest.raises(NotImplementedError, match="free_data=False"):
+            w.partition(free_data=False)  # would leave a full tensor behind a partitioned status
+        assert w.ds_status is ZeroParamStatus.AVAILABLE  # refused before anything changed
+        w.partition()
 
 
 class TestInitDtypeAndFactories(DistributedTest):

@@ -563,8 +563,16 @@ class ZeroParameter(nn.Parameter):
         """Drop the hold taken by `all_gather()`; `has_been_updated=True` first writes edits back.
 
         Holds that others took (the engine, a live GatheredParameters) are never dropped here.
+        `free_data=False` (upstream: mark the parameter partitioned but leave the full tensor
+        in `param.data` for the caller to free) is refused: here the last holder's release
+        frees the gathered tensor (gather.py's refcount note), and a full tensor left behind a
+        partitioned status would go stale at the next step.
         """
-        del free_data  # the last holder always frees: see gather.py's refcount note
+        if not free_data:
+            raise NotImplementedError(
+                "partition(free_data=False) is not supported: releasing the last hold frees the gathered "
+                "tensor; to keep it, keep the hold (do not call partition() yet, or use GatheredParameters)"
+            )
         from deepspeed.runtime.zero import gather
 
         gather.release_api_holds(param_list or [self], has_been_updated=has_been_updated)
