@@ -191,6 +191,35 @@ class DoraLikeModel(nn.Module):
         return h @ self.head.weight.T + self.head.bias
 
 
+class DenseReturningBias(nn.Module):
+    """Megatron's linear with `skip_bias_add`: returns its bias for the caller to add (fused later)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) * 0.1)
+        self.bias = nn.Parameter(torch.linspace(-0.1, 0.1, width))
+
+    def forward(self, x):
+        return F.linear(x, self.weight), self.bias
+
+
+class ReturnBiasModel(nn.Module):
+    """The caller adds a child's returned parameter: under ZeRO-3 it must arrive gathered, from
+    the first forward on (upstream's test_ext_param_return checks the same)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.dense = DenseReturningBias(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        h, bias = self.dense(self.embed(ids))
+        status = getattr(bias, "ds_status", None)
+        assert status is None or status.name == "AVAILABLE", f"returned bias arrived {status.name}"
+        return self.head(torch.tanh(h + bias))
+
+
 class RNNModel(nn.Module):
     def __init__(self, cell: str) -> None:
         super().__init__()

@@ -7,6 +7,7 @@ All methods run in one pooled 2-rank group. Numbers per case go to the results f
 import pytest
 import torch
 
+from deepspeed.runtime.zero.partition_parameters import external_parameters
 from tests.unit.common import DistributedTest
 from tests.zoo import models as zm
 from tests.zoo.harness import Case, build, check_parity, gathered
@@ -91,6 +92,14 @@ class TestZooModels(DistributedTest):
         if stage == 3:  # outside a forward a partitioned parameter shows the placeholder, as upstream
             weight = got.model.down.weight
             assert weight.shape == (0,) and weight.numel() == 0 and weight.ds_shape == (4, zm.WIDTH)
+
+    @ALL_STAGES
+    def test_child_returns_its_bias_to_the_caller(self, stage):
+        got, _ = check_parity(
+            Case("return_bias", zm.ReturnBiasModel, zm.token_batch, zm.lm_loss, stage=stage)
+        )
+        if stage == 3:  # the caller adopted it: later passes fetch it with the caller up front
+            assert any(p is got.model.dense.bias for p in external_parameters(got.model))
 
     @ALL_STAGES
     def test_bert_masked_lm(self, stage):

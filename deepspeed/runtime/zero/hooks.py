@@ -70,7 +70,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from deepspeed.runtime.zero import gather
-from deepspeed.runtime.zero.param_state import ACCESS_HOOK, is_zero_param
+from deepspeed.runtime.zero.param_state import ACCESS_HOOK, is_zero_param, zero_params_in
 from deepspeed.runtime.zero.partition_parameters import external_parameters, register_external_parameter
 from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
@@ -386,6 +386,7 @@ class ParameterCoordinator:
         if hold.states and _in_backward():
             self._keep_frozen_for_backward(hold)
         if hold.states:
+            self._hand_returned_parameters(hold, output)
             self._release(hold)
         if not self.forward_holds:
             self._end_outer_forward()
@@ -436,12 +437,30 @@ class ParameterCoordinator:
 
     def _on_access(self, param: nn.Parameter) -> None:
         """A parameter used outside its module: gather it for the running submodule (see param_state)."""
+        self._adopt(param)
+
+    def _hand_returned_parameters(self, hold: _Hold, output: Any) -> None:
+        """A forward that returns its own parameter (Megatron's "return bias"): the calling
+        module uses it next, so it adopts the parameter before this module releases it, as it
+        would at its first use; the parameter never goes empty in between."""
+        if output is None or not self.forward_holds:
+            return
+        held = {id(s) for s in hold.states}
+        for param in zero_params_in(output, []):
+            if id(param._zero_state) in held:
+                self._adopt(param)
+
+    def _adopt(self, param: nn.Parameter) -> None:
+        """Register `param` with the running submodule (external from now on, so later passes
+        fetch it with that module) and hold it until that submodule's forward ends."""
         state = param._zero_state
         # Inside a leaf the leaf is the unit: the use is registered with (and held by) it.
         hold = next(
             (h for h in reversed(self.forward_holds) if id(h.module) not in self.under_leaf),
             self.forward_holds[-1],
         )
+        if state in hold.states:
+            return  # already held by it (registered on an earlier pass)
         register_external_parameter(hold.module, param)  # from now on fetched with `hold.module`
         self._states_cache.pop(id(hold.module), None)
         gather.fetch_states([state], hold)

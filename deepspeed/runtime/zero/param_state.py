@@ -410,16 +410,16 @@ def all_to_released(states: list) -> list:
 _NOT_INTERCEPTED = object()
 
 
-def _zero_params_in(value: Any, found: list) -> list:
+def zero_params_in(value: Any, found: list) -> list:
     """The ZeroParameters among `value`, looking inside tuples, lists and dict values."""
     if isinstance(value, ZeroParameter):
         found.append(value)
     elif isinstance(value, (tuple, list)):
         for v in value:
-            _zero_params_in(v, found)
+            zero_params_in(v, found)
     elif isinstance(value, dict):
         for v in value.values():
-            _zero_params_in(v, found)
+            zero_params_in(v, found)
     return found
 
 
@@ -439,7 +439,7 @@ def _intercept(func, args: tuple, kwargs: dict) -> Any:
         if isinstance(target, ZeroParameter) and target._zero_state.status is not ZeroParamStatus.AVAILABLE:
             return _full_shape_query(func, name, target._zero_state.shape, args, kwargs)
         return _NOT_INTERCEPTED
-    for param in _zero_params_in((args, kwargs), []):
+    for param in zero_params_in((args, kwargs), []):
         if param._zero_state.status is not ZeroParamStatus.AVAILABLE:
             access_hook(param)
     return _NOT_INTERCEPTED
