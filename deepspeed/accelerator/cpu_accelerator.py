@@ -268,11 +268,16 @@ class CPU_Accelerator(DeepSpeedAccelerator):
         return True
 
     def is_fp16_supported(self) -> bool:
-        # torch 2.x runs the common half-precision ops (matmul, elementwise) on the CPU.
-        return True
+        """Whether this CPU computes fp16 natively (oneDNN's check: AVX512-FP16 or AMX-FP16), as
+        upstream answers; clients pick bf16 over fp16 on its answer. fp16 training still runs
+        elsewhere (torch emulates the ops), only slowly."""
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        except (AttributeError, RuntimeError):
+            return False
 
     def supported_dtypes(self) -> list[torch.dtype]:
-        return [torch.float32, torch.bfloat16, torch.float16]
+        return [torch.float32, torch.bfloat16] + ([torch.float16] if self.is_fp16_supported() else [])
 
     def is_triton_supported(self) -> bool:
         return False

@@ -140,7 +140,9 @@ def test_cpu_device_count_reads_local_size(cpu, monkeypatch):
 
 def test_cpu_dtypes(cpu):
     assert cpu.is_bf16_supported()
-    assert cpu.is_fp16_supported()
+    native_fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())  # upstream's criterion
+    assert cpu.is_fp16_supported() is native_fp16
+    assert (torch.float16 in cpu.supported_dtypes()) is native_fp16
     assert torch.bfloat16 in cpu.supported_dtypes() and torch.float32 in cpu.supported_dtypes()
     assert not cpu.is_triton_supported()
     assert cpu.amp() is torch.amp
