@@ -1,4 +1,4 @@
-"""`deepspeed.zero`: the public ZeRO-3 API (`Init`, `GatheredParameters`, external parameters)."""
+"""`deepspeed.zero`: the public ZeRO-3 API (`Init`, `GatheredParameters`, external parameters, `TiledLinear`)."""
 
 from deepspeed.runtime.zero.lifecycle import live_contexts
 from deepspeed.runtime.zero.param_state import ZeroParamStatus
@@ -8,10 +8,13 @@ from deepspeed.runtime.zero.partition_parameters import (
     register_external_parameter,
     unregister_external_parameter,
 )
+from deepspeed.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias
 
 __all__ = [
     "GatheredParameters",
     "Init",
+    "TiledLinear",
+    "TiledLinearReturnBias",
     "ZeroParamStatus",
     "live_contexts",
     "register_external_parameter",
