@@ -19,17 +19,18 @@ in fp32 when ``fp32_optimizer_states`` (the default), and are updated in fp32.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
-from deepspeed.runtime.huge_pages import huge_page_zeros
+from deepspeed.ops.elementwise import ElementwiseOptimizer
 
 
-class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
+class DeepSpeedCPUAdagrad(ElementwiseOptimizer):
     """Adagrad (L2 weight decay, as torch and upstream) on the CPU; see the module note."""
 
-    fp32_optimizer_states: bool  # the sum of squares in fp32 whatever the param dtype
+    STATE_KEYS = ("exp_avg_sq",)  # the sum of squared gradients, under upstream's name
+    CPU_ONLY_ALTERNATIVE = "torch.optim.Adagrad"
 
     def __init__(
         self,
@@ -75,40 +76,8 @@ class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
         super().__init__(model_params, defaults)
         self.fp32_optimizer_states = fp32_optimizer_states
 
-    def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        state = self.state[param]
-        if not state:
-            if param.device.type != "cpu":
-                raise ValueError(
-                    f"DeepSpeedCPUAdagrad: a parameter is on {param.device}, but it must be on the CPU; "
-                    'enable "offload_optimizer": {"device": "cpu"} in the ZeRO config, or use '
-                    "torch.optim.Adagrad for accelerator parameters"
-                )
-            dtype = torch.float32 if self.fp32_optimizer_states else param.dtype
-            state["step"] = 0
-            state["exp_avg_sq"] = huge_page_zeros(param.shape, dtype).fill_(
-                group["initial_accumulator_value"]
-            )
-        return state
-
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """One update of every parameter that has a gradient, as torch.optim.Adagrad makes it."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise RuntimeError("DeepSpeedCPUAdagrad does not support sparse gradients")
-                state = self._init_state(param, group)
-                # int(): a state loaded from torch's Adagrad holds its step as a 0-d tensor.
-                state["step"] = int(state["step"]) + 1
-                self._update(param, state, group)
-        return loss
+    def _initial_value(self, key: str, group: dict[str, Any]) -> float:
+        return group["initial_accumulator_value"]
 
     @staticmethod
     def _update(param: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
@@ -132,7 +101,3 @@ class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
             for key, state in state_dict.get("state", {}).items()
         }
         super().load_state_dict({**state_dict, "state": renamed})
-        if self.fp32_optimizer_states:
-            for state in self.state.values():
-                if isinstance(state.get("exp_avg_sq"), torch.Tensor):
-                    state["exp_avg_sq"] = state["exp_avg_sq"].float()

@@ -20,17 +20,17 @@ first step of a padding row) the sign step is zero, as sign(0) = 0 in the paper 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from deepspeed.runtime.huge_pages import huge_page_zeros
+from deepspeed.ops.elementwise import ElementwiseOptimizer
 
 
-class FusedLion(torch.optim.Optimizer):
+class FusedLion(ElementwiseOptimizer):
     """Lion on the parameters' own device (see the module note)."""
 
-    fp32_optimizer_states: bool  # the momentum in fp32 whatever the parameter dtype
+    STATE_KEYS = ("exp_avg",)  # the momentum
 
     def __init__(
         self,
@@ -56,59 +56,25 @@ class FusedLion(torch.optim.Optimizer):
         """torch's zero_grad; without an argument, `set_grad_none` (upstream's constructor flag) decides."""
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
-    def _check_device(self, param: torch.Tensor) -> None:
-        """Where a parameter may live: anywhere here; the CPU class narrows it."""
-
-    def _state(self, param: torch.Tensor) -> dict[str, Any]:
-        state = self.state[param]
-        if not state:
-            self._check_device(param)
-            dtype = torch.float32 if self.fp32_optimizer_states else param.dtype
-            state["step"] = 0
-            if param.device.type == "cpu":
-                state["exp_avg"] = huge_page_zeros(param.shape, dtype)
-            else:
-                state["exp_avg"] = torch.zeros(param.shape, dtype=dtype, device=param.device)
-        return state
-
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """One update of every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self._state(param)
-                state["step"] = int(state["step"]) + 1
-                momentum = state["exp_avg"]
-                master = param if param.dtype == momentum.dtype else param.to(momentum.dtype)
-                grad = param.grad.to(momentum.dtype)
-                direction = momentum.mul(beta1).add_(grad, alpha=1 - beta1).sign_()
-                if group["weight_decay"] != 0:
-                    master.mul_(1 - group["lr"] * group["weight_decay"])
-                master.add_(direction, alpha=-group["lr"])
-                momentum.mul_(beta2).add_(grad, alpha=1 - beta2)
-                if master is not param:
-                    param.copy_(master)
-        return loss
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        if self.fp32_optimizer_states:
-            for state in self.state.values():
-                if isinstance(state.get("exp_avg"), torch.Tensor):
-                    state["exp_avg"] = state["exp_avg"].float()
+    @staticmethod
+    def _update(param: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        momentum = state["exp_avg"]
+        master = param if param.dtype == momentum.dtype else param.to(momentum.dtype)
+        grad = param.grad.to(momentum.dtype)
+        direction = momentum.mul(beta1).add_(grad, alpha=1 - beta1).sign_()
+        if group["weight_decay"] != 0:
+            master.mul_(1 - group["lr"] * group["weight_decay"])
+        master.add_(direction, alpha=-group["lr"])
+        momentum.mul_(beta2).add_(grad, alpha=1 - beta2)
+        if master is not param:
+            param.copy_(master)
 
 
 class DeepSpeedCPULion(FusedLion):
     """Lion for parameters held in CPU memory (`offload_optimizer`); see the module note."""
+
+    CPU_ONLY_ALTERNATIVE = "deepspeed.ops.lion.FusedLion"
 
     def __init__(
         self,
@@ -119,11 +85,3 @@ class DeepSpeedCPULion(FusedLion):
         fp32_optimizer_states: bool = True,
     ) -> None:
         super().__init__(model_params, lr, betas, weight_decay, fp32_optimizer_states=fp32_optimizer_states)
-
-    def _check_device(self, param: torch.Tensor) -> None:
-        if param.device.type != "cpu":
-            raise ValueError(
-                f"DeepSpeedCPULion: a parameter is on {param.device}, but it must be on the CPU; "
-                'enable "offload_optimizer": {"device": "cpu"} in the ZeRO config, or use '
-                "deepspeed.ops.lion.FusedLion for accelerator parameters"
-            )
