@@ -511,15 +511,40 @@ def all_gather_into_columns(
     world, n = get_world_size(group), input_tensor.numel()
     if sum(sizes) != n or len(sizes) != len(outputs):
         raise ValueError(f"all_gather_into_columns: sizes {sizes} do not split the input's {n} elements")
+    # Stages 1 and 2 gather a step's updated slices back into parameters whose own row is the
+    # input itself: that row is not copied onto itself (half the copy-out at 2 ranks).
+    rank = get_rank(group)
+    rows = (
+        [r for r in range(world) if r != rank]
+        if _own_rows_are_input(outputs, sizes, input_tensor, rank)
+        else None
+    )
     channel = _shm_channel(group, input_tensor)
     if channel is not None:
-        channel.all_gather_columns(outputs, sizes, input_tensor)
+        channel.all_gather_columns(outputs, sizes, input_tensor, rows)
         return
     if scratch is None:
         scratch = torch.empty(world * n, dtype=input_tensor.dtype, device=input_tensor.device)
-    gathered = scratch.view(-1)[: world * n]
-    all_gather_into_tensor(gathered, input_tensor, group=group)
-    torch.split_with_sizes_copy(gathered.view(world, n), sizes, dim=1, out=outputs)
+    gathered = scratch.view(-1)[: world * n].view(world, n)
+    all_gather_into_tensor(gathered.view(-1), input_tensor, group=group)
+    shm.copy_columns(gathered, sizes, outputs, rows)
+
+
+def _own_rows_are_input(outputs: list, sizes: list, input_tensor: torch.Tensor, rank: int) -> bool:
+    """Whether row `rank` of every output is the memory of its columns of `input_tensor`."""
+    if input_tensor.dim() != 1 or input_tensor.stride(0) != 1:
+        return False
+    address, item = input_tensor.data_ptr(), input_tensor.element_size()
+    for out, size in zip(outputs, sizes):
+        row = out[rank]
+        if (
+            row.device != input_tensor.device
+            or row.data_ptr() != address
+            or (size > 1 and row.stride(0) != 1)
+        ):
+            return False
+        address += size * item
+    return True
 
 
 def reduce_scatter_columns(

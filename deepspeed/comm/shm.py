@@ -226,15 +226,18 @@ class ShmChannel:
         for start, k, slots in self._rounds("all_gather", inp.reshape(-1)):
             dst[:, start : start + k].copy_(slots[:, :k])
 
-    def all_gather_columns(self, outputs: list, sizes: list, inp: torch.Tensor) -> None:
+    def all_gather_columns(
+        self, outputs: list, sizes: list, inp: torch.Tensor, rows: Optional[list] = None
+    ) -> None:
         """An all-gather whose `[world, n]` rank-major result is split by columns into
-        `outputs` (`[world, sizes[i]]` each, sizes summing to n), straight from the slots."""
+        `outputs` (`[world, sizes[i]]` each, sizes summing to n), straight from the slots;
+        only the rows in `rows` when given (see `comm.all_gather_into_columns`)."""
         n = inp.numel()
         self._count("all_gather", self.world * n * inp.element_size())
         ends = list(itertools.accumulate(sizes))
         for start, k, slots in self._rounds("all_gather", inp.reshape(-1)):
             dests, widths = (outputs, sizes) if k == n else _column_views(outputs, sizes, ends, start, k)
-            torch.split_with_sizes_copy(slots[:, :k], widths, dim=1, out=dests)
+            copy_columns(slots[:, :k], widths, dests, rows)
 
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """`out` (n elements) gets the sum over ranks of slice `rank` of `inp` (`world * n`)."""
@@ -385,6 +388,16 @@ class ShmChannel:
             return
         self._broken = why
         raise RuntimeError(why)
+
+
+def copy_columns(source: torch.Tensor, sizes: list, outputs: list, rows: Optional[list] = None) -> None:
+    """Split `source` (`[world, sum(sizes)]`) by columns into `outputs` (`[world, sizes[i]]`
+    each); only the rows in `rows` when given."""
+    if rows is None:
+        torch.split_with_sizes_copy(source, sizes, dim=1, out=outputs)
+        return
+    for r in rows:
+        torch.split_with_sizes_copy(source[r], sizes, dim=0, out=[out[r] for out in outputs])
 
 
 def _column_views(tensors: list, sizes: list, ends: list, start: int, k: int) -> tuple:

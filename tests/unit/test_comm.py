@@ -258,6 +258,20 @@ class TestSharedMemoryCollectives(DistributedTest):
                 for got, want in zip(outputs, expected):
                     assert torch.equal(got, want), path
                 assert (wide[:, :10] == -1).all() and (wide[:, 74:] == -1).all(), path
+
+                # Outputs whose own row is the input (stages 1 and 2 after a step): only the
+                # other ranks' rows are copied, and the result is the same.
+                matrix = torch.full((size, sum(sizes)), -1.0)
+                matrix[rank] = everyone[rank]
+                outputs = list(matrix.split(sizes, dim=1))
+                with mock.patch.object(shm, "copy_columns", wraps=shm.copy_columns) as copy_columns:
+                    facade.all_gather_into_columns(outputs, sizes, matrix[rank], group=group, scratch=scratch)
+                copied = [c.args[3] for c in copy_columns.call_args_list]
+                assert torch.equal(matrix, torch.cat(everyone).view(size, -1)), path
+                assert copied and all(rows == [r for r in range(size) if r != rank] for rows in copied), (
+                    path,
+                    copied,
+                )
         with pytest.raises(ValueError, match="do not split the input"):
             facade.all_gather_into_columns(outputs, [1, 2], everyone[rank], group=group)
 
