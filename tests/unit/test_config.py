@@ -587,7 +587,24 @@ def test_optimizer_params_reach_the_optimizer_as_upstream_passes_them():
     opt = build_config_optimizer("AdamW", {"lr": 0.01, "torch_adam": True, "fused": True}, groups)
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True and opt.defaults["lr"] == 0.01
     opt = build_config_optimizer("Adam", {"adam_w_mode": False, "foreach": False}, groups)
-    assert type(opt) is torch.optim.Adam and opt.defaults["foreach"] is False
+    assert type(opt) is torch.optim.Adam and opt.defaults["foreach"] is False and not opt.defaults["fused"]
+    # Without either, torch's fused kernel where it takes the masters (the CPU included), and
+    # it steps as torch's default per-tensor loop does.
+    for params in ({"torch_adam": True}, {}):
+        assert build_config_optimizer("AdamW", dict(params), groups).defaults["fused"] is True
+    ints = [{"params": [torch.zeros(3, dtype=torch.int64)]}]
+    assert not build_config_optimizer("AdamW", {}, ints).defaults["fused"]
+    torch.manual_seed(0)
+    fused, looped = (torch.nn.Parameter(torch.randn(1000)) for _ in range(2))
+    looped.data.copy_(fused.data)
+    steps = [build_config_optimizer("AdamW", {"lr": 0.01, "torch_adam": True}, [{"params": [fused]}])]
+    steps.append(torch.optim.AdamW([looped], lr=0.01, foreach=False))
+    for _ in range(5):
+        grad = torch.randn(1000)
+        for p, opt in zip((fused, looped), steps):
+            p.grad = grad.clone()
+            opt.step()
+    torch.testing.assert_close(fused, looped)
     with pytest.raises(TypeError, match="cuda_aware"):
         build_config_optimizer("AdamW", {"cuda_aware": False}, groups)
     # Weight decay left out: upstream's FusedAdam and DeepSpeedCPUAdam default to 0, torch's
