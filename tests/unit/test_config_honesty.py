@@ -405,6 +405,24 @@ class TestActedOnKeys(DistributedTest):
             for name, p in plain.items():
                 torch.testing.assert_close(scaled[name], p, rtol=1e-6, atol=1e-7, msg=f"{extra} {name}")
 
+    def test_fp16_gradients_are_averaged_before_they_can_overflow(self):
+        """Each rank's scaled gradient (49152) fits fp16; their sum would not. Upstream divides
+        by the world size before the sum, so no step is skipped at any world size or stage."""
+        for stage in (1, 2, 3):
+            cfg = {
+                "train_micro_batch_size_per_gpu": 1,
+                "optimizer": {"type": "SGD", "params": {"lr": 1e-6}},
+                "zero_optimization": {"stage": stage},
+                "fp16": {"enabled": True, "initial_scale_power": 15, "hysteresis": 1},
+            }
+            model = torch.nn.Linear(4, 1, bias=False)
+            torch.nn.init.constant_(model.weight, 0.5)
+            engine, *_ = deepspeed.initialize(model=model, config=cfg)
+            engine.backward(engine(torch.full((1, 4), 1.5, dtype=torch.half)).float().sum())
+            engine.step()
+            assert engine.skipped_steps == 0 and engine.optimizer.cur_scale == 2.0**15, stage
+            assert engine.get_global_grad_norm() == pytest.approx(3.0), stage  # four elements of 1.5
+
     def test_overlap_comm_is_async_and_equal_to_sync(self, monkeypatch):
         """On gloo's own path (overlap is moot through shared memory, checked below)."""
         from deepspeed.comm import comm as facade

@@ -22,10 +22,13 @@ issue (shared memory, comm/shm.py) there is nothing to overlap: each bucket is p
 into this rank's slot and reduced at once, whatever `overlap_comm` says.
 
 [Note: gradient scaling around the reduction]
-Upstream's ``prescale_gradients`` and ``gradient_predivide_factor``: with prescaling, each
-rank divides its gradients by the world size before the sum; otherwise it divides by the
-predivide factor `f` before and multiplies by ``f / world_size`` after. Either way the result
-is the average, up to rounding; dividing first keeps fp16 sums from overflowing.
+Upstream's ``prescale_gradients`` and ``gradient_predivide_factor``: by default (factor 1),
+and with prescaling, each rank divides its gradients by the world size before the sum, as
+upstream's reduce-scatter paths do; with a factor `f` other than 1 it divides by `f` before
+and multiplies by ``f / world_size`` after. Either way the result is the average, up to
+rounding. Dividing first is what keeps an fp16 sum from overflowing where each rank's
+gradient is finite: summing first made the loss scale and the skipped steps depend on the
+number of ranks (two ranks' 49152 overflowed fp16; their average does not).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ class GradientReducer:
 
     def _scales(self, world: int) -> tuple:
         """(before, after) the sum; see [Note: gradient scaling around the reduction]."""
-        if self.prescale_gradients:
+        if self.prescale_gradients or self.predivide_factor == 1.0:
             return 1.0 / world, 1.0
         return 1.0 / self.predivide_factor, self.predivide_factor / world
 
