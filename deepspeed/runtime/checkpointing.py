@@ -536,11 +536,14 @@ class CheckpointMixin:
         if not module_only:
             self.global_steps = ckpt.engine_entry("global_steps")
             self.global_samples = ckpt.engine_entry("global_samples")
-            self.micro_steps = ckpt.engine_entry("micro_steps")
             if self.optimizer is not None:  # the engine's skipped_steps is the optimizer's count
                 self.optimizer.skipped_steps = int(ckpt.engine_entry("skipped_steps") or 0)
         if self.optimizer is not None:
             self.optimizer.zero_grad()  # gradients of the interrupted step are not in the checkpoint
+        # With those gradients gone, the next micro-step starts an accumulation (as upstream,
+        # which never restores the count): the saved count would put the boundary wherever the
+        # old run was, or under another gradient_accumulation_steps, anywhere.
+        self.micro_steps = 0
 
     @torch.no_grad()
     def _apply_weights(self, ckpt: ShardedCheckpoint, load_optim: bool) -> None:

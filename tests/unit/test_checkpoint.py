@@ -27,7 +27,7 @@ from deepspeed.runtime.zero import checkpoint_io
 from deepspeed.runtime.zero.checkpoint_io import CheckpointError, model_states_name, optim_states_name
 from deepspeed.utils import zero_to_fp32
 from tests.unit.common import DistributedTest, _run_distributed
-from tests.unit.test_engine import GLOBAL_BATCH, WIDTH, TinyLM, batches, gathered_params, train
+from tests.unit.test_engine import GLOBAL_BATCH, WIDTH, TinyLM, batches, gathered_params, my_slice, train
 
 SAVE_STEPS, MORE_STEPS = 3, 2
 CLIENT_STATE = {"epoch": 7, "note": "resume here"}
@@ -149,6 +149,27 @@ class TestElasticLoad(DistributedTest):
         final = gathered_params(engine.module)
         for name, value in reference["final"].items():
             torch.testing.assert_close(final[name], value, rtol=1e-5, atol=5e-5, msg=name)
+
+    def test_accumulation_restarts_at_a_boundary_after_a_load(self, two_rank_checkpoint):
+        """A load zeroes the gradients, so the next micro-step starts a new accumulation: with
+        gradient_accumulation_steps changed since the save (the usual way to keep the global
+        batch when the world size changes), and into an engine caught mid-accumulation."""
+        ws = dist.get_world_size()
+        engine = build(train_config(micro=GLOBAL_BATCH // ws // 2, gradient_accumulation_steps=2), seed=0)
+        ids, labels = all_data()[0]
+
+        def micro_step(index):
+            engine.backward(engine(my_slice(ids, index, 2), my_slice(labels, index, 2)))
+            engine.step()
+
+        micro_step(0)  # one micro-step of two: mid-accumulation
+        assert engine.micro_steps == 1
+        engine.load_checkpoint(two_rank_checkpoint)  # saved after 3 steps at gradient_accumulation_steps 1
+        assert engine.micro_steps == 0 and not engine.is_gradient_accumulation_boundary()
+        micro_step(0)  # the first micro-step after the load: no optimizer step
+        assert engine.global_steps == SAVE_STEPS and engine.is_gradient_accumulation_boundary()
+        micro_step(1)
+        assert engine.global_steps == SAVE_STEPS + 1 and engine.was_step_applied()
 
     def test_a_stage2_save_resumes_at_every_stage_with_and_without_offload(
         self, two_rank_stage2_checkpoint, two_rank_stage2_offload_checkpoint
