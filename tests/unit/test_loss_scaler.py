@@ -135,8 +135,8 @@ def test_state_round_trip():
     b.load_state_dict(a.state_dict())
     assert b.state_dict() == a.state_dict()
     assert run(b, pattern) == run(a, pattern)
-    with pytest.raises(ValueError, match="cur_iter"):
-        b.load_state_dict({"cur_scale": 1.0})
+    with pytest.raises(ValueError, match="last_overflow_iter"):
+        b.load_state_dict({"cur_scale": 1.0, "cur_iter": 3})
 
 
 @pytest.mark.parametrize(
@@ -184,3 +184,34 @@ def test_create_loss_scaler():
     with pytest.raises(ValueError, match="'scale_windows'") as info:
         CreateLossScaler(torch.half, 1, True, {"scale_windows": 10})
     assert "scale_window" in str(info.value)
+
+
+def test_a_saved_scale_of_another_kind_leaves_the_configured_scaler():
+    """Only a dynamic scaler's running state resumes; a fixed scale (or none) is the config's,
+    so a run whose fp16 settings changed since the save trains as it is configured now."""
+    dynamic = DynamicLossScaler(init_scale=2**16, scale_window=2)
+    for overflow in (True, False, False, False):
+        dynamic.update_scale(overflow)
+    saved_dynamic = dynamic.state_dict()
+    saved_fixed = LossScaler(scale=128).state_dict()
+    unscaled = LossScaler().state_dict()  # what an fp32 or bf16 run saves
+
+    resumed = DynamicLossScaler(init_scale=2**16, scale_window=2)
+    resumed.load_state_dict(saved_dynamic)
+    assert resumed.state_dict() == saved_dynamic and resumed.loss_scale == 2**16
+    upstream_fixed = {"cur_scale": 128.0, "dynamic": False}  # upstream's pickled LossScaler
+    for saved in (saved_fixed, unscaled, upstream_fixed):
+        fresh = DynamicLossScaler(init_scale=2**10)
+        fresh.load_state_dict(saved)
+        assert fresh.state_dict() == DynamicLossScaler(init_scale=2**10).state_dict()
+    for saved in (saved_dynamic, unscaled):
+        fixed = LossScaler(scale=128)
+        fixed.load_state_dict(saved)
+        assert fixed.loss_scale == 128
+    no_scaling = LossScaler()
+    no_scaling.load_state_dict(saved_dynamic)  # an fp16 checkpoint into an fp32 or bf16 run
+    assert no_scaling.loss_scale == 1
+    with pytest.raises(ValueError, match="missing"):
+        DynamicLossScaler().load_state_dict({"cur_iter": 3})
+    with pytest.raises(ValueError, match="missing"):
+        LossScaler().load_state_dict({"cur_iter": 3})

@@ -15,6 +15,7 @@ divide the scale). These are DeepSpeed's rules.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any, Optional
@@ -81,8 +82,16 @@ class LossScalerBase:
         return {"cur_scale": self.cur_scale}
 
     def load_state_dict(self, sd: dict) -> None:
-        _require_keys(sd, self.state_dict())
-        self.cur_scale = sd["cur_scale"]
+        """A fixed scale (or none: fp32, bf16) is the config's, not running state: a saved one
+        is not loaded, so a run whose fp16 settings changed since the save trains as configured."""
+        _require_keys(sd, {"cur_scale": None})
+        if sd["cur_scale"] != self.cur_scale:
+            log_dist(
+                f"checkpoint's loss scale {sd['cur_scale']} not loaded: this run's config fixes it at "
+                f"{self.cur_scale}",
+                ranks=[0],
+                level=logging.WARNING,
+            )
 
 
 class LossScaler(LossScalerBase):
@@ -221,6 +230,17 @@ class DynamicLossScaler(LossScalerBase):
         }
 
     def load_state_dict(self, sd: dict) -> None:
+        """The running state of a dynamic scaler saved before. A checkpoint of a run without one
+        (fp32, bf16, a fixed fp16 scale) has none to resume: the scaler starts as configured."""
+        # What a fixed (or no) scaler saves: ours its scale alone, upstream's also `dynamic: False`.
+        if set(sd) == {"cur_scale"} or sd.get("dynamic") is False:
+            log_dist(
+                f"checkpoint's loss scale {sd['cur_scale']} was fixed (or unscaled): the dynamic loss scale "
+                f"starts as configured, at {self.cur_scale}",
+                ranks=[0],
+                level=logging.WARNING,
+            )
+            return
         _require_keys(sd, self.state_dict())
         self.cur_scale = sd["cur_scale"]
         self.cur_iter = sd["cur_iter"]
