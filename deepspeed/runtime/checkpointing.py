@@ -33,6 +33,11 @@ from deepspeed.version import __version__
 # metadata's); client state may not use them, or upstream's tools would misread the file.
 _MODEL_FILE_KEYS = UPSTREAM_ENGINE_KEYS | {ckpt_io.OWN_KEY}
 
+# Param-group keys that choose how torch's optimizers compute a step, not what it computes:
+# they stay as this run built its optimizer (a checkpoint saved with torch's per-tensor loop
+# does not turn the fused kernel off, nor the other way round).
+_KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -526,7 +531,7 @@ class CheckpointMixin:
             for saved, group in zip(
                 ckpt.optimizer_entry("param_groups"), self.optimizer.optimizer.param_groups
             ):
-                group.update({k: v for k, v in saved.items() if k != "params"})
+                group.update({k: v for k, v in saved.items() if k != "params" and k not in _KERNEL_CHOICES})
         self._apply_weights(ckpt, load_optim)
         saved_buffers = ckpt.engine_entry("buffers") or {}
         with torch.no_grad():

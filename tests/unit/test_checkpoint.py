@@ -171,6 +171,16 @@ class TestElasticLoad(DistributedTest):
         micro_step(1)
         assert engine.global_steps == SAVE_STEPS + 1 and engine.was_step_applied()
 
+    def test_the_optimizer_kernel_stays_as_this_run_built_it(self, two_rank_checkpoint):
+        """The save ran torch's fused AdamW (the config default); a run that asks for the
+        per-tensor loop keeps it after the load, and takes the saved hyperparameters."""
+        cfg = train_config()
+        cfg["optimizer"]["params"]["fused"] = False
+        engine = build(cfg, seed=0)
+        engine.load_checkpoint(two_rank_checkpoint)
+        for group in engine.optimizer.optimizer.param_groups:
+            assert group["fused"] is False and group["weight_decay"] == 0.01
+
     def test_a_stage2_save_resumes_at_every_stage_with_and_without_offload(
         self, two_rank_stage2_checkpoint, two_rank_stage2_offload_checkpoint
     ):
