@@ -169,6 +169,11 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             raise ValueError(refused)
         self._cast_in_place(self.module.parameters())
         self._cast_in_place(self.module.buffers())
+        if dist.get_world_size() > 1:
+            # Ranks may have drawn different random initial values: rank 0's are the model, as
+            # upstream broadcasts them at initialize (stage 3 does it when it partitions). Left
+            # alone, trainable weights would start from every rank's own and frozen ones never agree.
+            gather.broadcast_coalesced([p.data for p in self.module.parameters()], 0, None)
         self.replicated = make_replicated_shards(self.module)
 
     def _cast_in_place(self, tensors) -> None:

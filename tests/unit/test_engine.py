@@ -289,6 +289,26 @@ class TestEngineFeatures(DistributedTest):
                 compile_kwargs={"backend": "eager"}
             )
 
+    def test_every_stage_starts_from_rank_0s_weights(self):
+        """Ranks that drew different initial weights (a per-rank seed) train rank 0's model at
+        every stage, as upstream broadcasts at initialize; frozen weights agree too."""
+        data = batches(2, seed=5)
+        for stage in (0, 1, 2, 3):
+            torch.manual_seed(100 + dist.get_rank())
+            model = TinyLM()
+            model.embed.weight.requires_grad_(False)
+            rank0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+            for value in rank0.values():
+                dist.broadcast(value, src=0)
+            cfg = config()
+            cfg["zero_optimization"]["stage"] = stage
+            engine, *_ = deepspeed.initialize(model=model, config=cfg)
+            for name, value in gathered_params(engine.module).items():
+                assert torch.equal(value, rank0[name]), (stage, name)
+            train(engine, data)
+            frozen = gathered_params(engine.module)["embed.weight"]
+            assert torch.equal(frozen, rank0["embed.weight"]), stage
+
     def test_bf16_tracks_fp32(self):
         data = batches(6, seed=3)
         _, fp32_losses = engine_run(data)
