@@ -189,38 +189,6 @@ class TestInitDtypeAndFactories(DistributedTest):
         assert explicit.weight.ds_tensor.dtype == torch.float64
         assert fp32.weight.ds_tensor.dtype == torch.float32
 
-    def test_skip_init_modules_are_partitioned_once_materialised(self):
-        """`torch.nn.utils.skip_init` builds on the meta device, then `to_empty` materialises
-        inside the parent's __init__: those parameters are partitioned there (with the Init's
-        settings), not left full-size until initialize. One left on meta waits for the engine."""
-        from torch.nn.utils import skip_init
-
-        class Block(nn.Module):
-            def __init__(self, device=None):
-                super().__init__()
-                self.inner = nn.Linear(10, 10, device=device)
-                self.more = nn.ModuleList([nn.Linear(10, 10, device=device)])
-
-        class Model(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.a = skip_init(nn.Linear, 10, 10)
-                self.b = skip_init(Block)
-                self.c = nn.Linear(10, 10)
-                self.on_meta = nn.Linear(10, 10, device="meta")
-
-        with deepspeed.zero.Init(dtype=torch.bfloat16):
-            model = Model()
-        expected = math.ceil(100 / dist.get_world_size())
-        for name in ("a", "b.inner", "b.more.0", "c"):
-            weight = model.get_submodule(name).weight
-            assert weight.ds_tensor.numel() == expected and weight.ds_tensor.dtype == torch.bfloat16, name
-        assert model.on_meta.weight.device.type == "meta" and not hasattr(model.on_meta.weight, "ds_tensor")
-        assert not pp._INIT_STACK.awaiting_values  # nothing kept once the last Init ended
-        with deepspeed.zero.Init():
-            alone = skip_init(nn.Linear, 10, 10)  # materialised after its own __init__
-        assert alone.weight.ds_tensor.numel() == expected
-
     def test_factories_patched_only_while_active(self):
         init = deepspeed.zero.Init(dtype=torch.bfloat16).start()
         try:

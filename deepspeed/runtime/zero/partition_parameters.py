@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import weakref
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -178,9 +177,6 @@ class _InitStack:
     def __init__(self) -> None:
         self.active: list = []  # (Init, _InitSettings), outermost first
         self.paused = False  # shutdown_init_context() while the engine is built
-        # Modules built with meta parameters under an Init, and that Init's settings, until
-        # the parameters are materialised (see _convert_module_with).
-        self.awaiting_values: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def innermost(self) -> Optional[_InitSettings]:
         return self.active[-1][1] if self.active else None
@@ -204,10 +200,6 @@ class _InitStack:
 
     def pop(self, init: Init) -> None:
         self.active.pop()
-        _partition_materialised()  # `skip_init` at the top level materialises after its __init__
-        if not self.active:
-            # Still meta when the last Init ends: the engine partitions them at initialize.
-            self.awaiting_values.clear()
         self.sync_patches()
 
     def sync_patches(self) -> None:
@@ -235,7 +227,6 @@ class _InitStack:
     def reset(self) -> None:
         """For tests: forget every active Init and undo every patch."""
         self.active.clear()
-        self.awaiting_values.clear()
         self.paused = False
         IN_PLACE_INIT.hook = None
         PATCHES.remove_all()
@@ -265,31 +256,13 @@ def _convert_built_module(module: nn.Module) -> None:
 
 def _convert_module_with(module: nn.Module, settings: _InitSettings) -> None:
     # A parameter on the meta device (`torch.nn.utils.skip_init`, `device="meta"`) has no
-    # values to broadcast or shard yet. Its module waits in `awaiting_values` and is
-    # partitioned with its Init's settings once materialised: at the end of the next module's
-    # __init__ (`skip_init` calls `to_empty` right away, inside its parent's __init__) or when
-    # an Init stops (a `skip_init` at the top level); one still meta when the last Init ends
-    # is partitioned by the engine at `deepspeed.initialize`, like any plain parameter.
-    if any(
-        p is not None and not is_zero_param(p) and p.device.type == "meta"
-        for p in module._parameters.values()
-    ):
-        _INIT_STACK.awaiting_values[module] = settings
-    else:
-        _partition_plain_parameters(module, settings)
-    _partition_materialised()
-
-
-def _partition_materialised() -> None:
-    """Partition the modules in `awaiting_values` whose parameters are no longer on meta."""
-    for waiting, its_settings in list(_INIT_STACK.awaiting_values.items()):
-        if not any(p.device.type == "meta" for p in waiting._parameters.values() if p is not None):
-            del _INIT_STACK.awaiting_values[waiting]
-            _partition_plain_parameters(waiting, its_settings)
-
-
-def _partition_plain_parameters(module: nn.Module, settings: _InitSettings) -> None:
-    own = [(name, p) for name, p in module._parameters.items() if p is not None and not is_zero_param(p)]
+    # values to broadcast or shard: it stays as it is until materialised (`to_empty`), and
+    # the engine partitions it at `deepspeed.initialize` like any plain parameter.
+    own = [
+        (name, p)
+        for name, p in module._parameters.items()
+        if p is not None and not is_zero_param(p) and p.device.type != "meta"
+    ]
     if own:
         convert_params([p for _, p in own], settings, own, type(module).__name__)
 
