@@ -267,9 +267,12 @@ class ShmChannel:
             k = min(step, n - start)
             slots = self._slots(out.dtype)
             mine = slots[self.rank, : world * k].view(world, k)  # destination-major, as above
-            torch.cat(blocks if k == n else _column_views(blocks, sizes, ends, start, k)[0], dim=1, out=mine)
-            if prescale != 1.0:
-                mine.mul_(prescale)
+            views, widths = (blocks, sizes) if k == n else _column_views(blocks, sizes, ends, start, k)
+            if prescale == 1.0:
+                torch.cat(views, dim=1, out=mine)
+            else:  # scaled on the way in: one pass over the chunk, not a copy and a multiply
+                for view, column in zip(views, mine.split(widths, dim=1)):
+                    torch.mul(view, prescale, out=column)
             self._meet(post)
             at = self.rank * k
             self._sum_rows([slots[r, at : at + k] for r in range(world)], dst[start : start + k])
