@@ -79,6 +79,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         if get_accelerator().device_name() == "cpu":
             keep_freed_memory_for_reuse()  # see host_malloc.py's note
         self._check_ranks_agree(model)
+        self._refuse_model_parallelism(model, mpu)
         self._configure_activation_checkpointing(mpu)
         self.args = args
         self.module = model
@@ -152,6 +153,38 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             [f"config {config}"] + describe_parameters(list(model.named_parameters()), shape_of),
             fix="Every rank must pass the same config and build the same model, parameters in the same order.",
         )
+
+    def _refuse_model_parallelism(self, model: nn.Module, mpu: Any) -> None:
+        """An `mpu` with model-parallel ranks works only where every collective stays inside a
+        data-parallel group: stage 3 with the model built under `zero.Init(mpu=...)`, and no
+        clipping or fp16 (their global norm and overflow check are not summed over the
+        model-parallel ranks here). Elsewhere ranks holding different tensor-parallel shards
+        would be averaged and gathered together: refused rather than trained wrong."""
+        size_of = getattr(mpu, "get_model_parallel_world_size", None)
+        size = 1 if size_of is None else int(size_of())
+        if size <= 1:
+            return
+        stage, config = self._config.zero_optimization_stage, self._config
+        world = dist.get_world_size()
+        spans_world = [
+            n
+            for n, p in model.named_parameters()
+            if not is_zero_param(p) or p._zero_state.world_size == world
+        ]
+        why = None
+        if stage < 3:
+            why = f"stage {stage} shards and reduces over all {world} ranks"
+        elif spans_world:
+            why = f"parameters such as {spans_world[0]!r} are partitioned over all {world} ranks"
+        elif config.gradient_clipping > 0 or config.fp16_enabled:
+            why = "gradient_clipping and fp16's overflow check use a norm not summed over the model-parallel ranks"
+        if why is not None:
+            raise ValueError(
+                f"deepspeed.initialize: the mpu has model-parallel size {size}, and {why}, which would mix "
+                "different model-parallel shards. Model parallelism is supported only at stage 3 with the model "
+                "built under deepspeed.zero.Init(mpu=mpu) and without gradient_clipping or fp16; otherwise train "
+                "without model parallelism"
+            )
 
     def _prepare_module(self) -> None:
 

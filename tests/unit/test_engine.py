@@ -309,6 +309,47 @@ class TestEngineFeatures(DistributedTest):
             frozen = gathered_params(engine.module)["embed.weight"]
             assert torch.equal(frozen, rank0["embed.weight"]), stage
 
+    def test_model_parallel_mpu_is_refused_where_it_would_mix_shards(self):
+        """Two model-parallel ranks (each its own data-parallel group): every stage that would
+        shard or reduce over both is refused, naming the size; stage 3 under Init(mpu) trains."""
+
+        class ModelParallel:
+            def __init__(self, size, dp_group):
+                self.size, self.dp_group = size, dp_group
+
+            def get_model_parallel_world_size(self):
+                return self.size
+
+            def get_model_parallel_rank(self):
+                return dist.get_rank() if self.size > 1 else 0
+
+            def get_data_parallel_group(self):
+                return self.dp_group
+
+            def get_data_parallel_world_size(self):
+                return dist.get_world_size(self.dp_group)
+
+            def get_data_parallel_rank(self):
+                return dist.get_rank(self.dp_group)
+
+        alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+        mpu = ModelParallel(2, alone)
+        for stage in (0, 1, 2, 3):
+            cfg = config()
+            cfg["zero_optimization"]["stage"] = stage
+            with pytest.raises(ValueError, match="model-parallel size 2"):
+                deepspeed.initialize(model=TinyLM(), config=cfg, mpu=mpu)
+        cfg = config()
+        with deepspeed.zero.Init(mpu=mpu):
+            model = TinyLM()
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, mpu=mpu)
+        train(engine, batches(1, seed=2))
+        with pytest.raises(ValueError, match="gradient_clipping"):
+            deepspeed.initialize(model=model, config=config(clip=1.0), mpu=mpu)
+        cfg = config()
+        cfg["zero_optimization"]["stage"] = 1
+        deepspeed.initialize(model=TinyLM(), config=cfg, mpu=ModelParallel(1, dist.get_world_group()))
+
     def test_bf16_tracks_fp32(self):
         data = batches(6, seed=3)
         _, fp32_losses = engine_run(data)
