@@ -79,7 +79,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         if get_accelerator().device_name() == "cpu":
             keep_freed_memory_for_reuse()  # see host_malloc.py's note
         self._check_ranks_agree(model)
-        self._refuse_model_parallelism(model, mpu)
+        self.mpu = mpu
+        self._refuse_model_parallelism(model)
         self._configure_activation_checkpointing(mpu)
         self.args = args
         self.module = model
@@ -115,7 +116,6 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._warn_unused_config_blocks(optimizer, lr_scheduler)
         self.client_optimizer = optimizer  # what the caller passed (upstream's attributes)
         self.client_lr_scheduler = lr_scheduler
-        self.mpu = mpu
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         if self.optimizer is not None:
             self.optimizer.before_step = self._settle_live_gathers
@@ -154,14 +154,13 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             fix="Every rank must pass the same config and build the same model, parameters in the same order.",
         )
 
-    def _refuse_model_parallelism(self, model: nn.Module, mpu: Any) -> None:
+    def _refuse_model_parallelism(self, model: nn.Module) -> None:
         """An `mpu` with model-parallel ranks works only where every collective stays inside a
         data-parallel group: stage 3 with the model built under `zero.Init(mpu=...)`, and no
         clipping or fp16 (their global norm and overflow check are not summed over the
         model-parallel ranks here). Elsewhere ranks holding different tensor-parallel shards
         would be averaged and gathered together: refused rather than trained wrong."""
-        size_of = getattr(mpu, "get_model_parallel_world_size", None)
-        size = 1 if size_of is None else int(size_of())
+        size = self.mp_world_size
         if size <= 1:
             return
         stage, config = self._config.zero_optimization_stage, self._config
