@@ -496,55 +496,47 @@ def completes_on_issue(group: Optional[ProcessGroup], tensor: torch.Tensor) -> b
 def all_gather_into_columns(
     outputs: list,
     sizes: list,
-    input_tensor: torch.Tensor,
+    input_tensor: Optional[torch.Tensor],
     group: Optional[ProcessGroup] = None,
     scratch: Optional[torch.Tensor] = None,
 ) -> None:
     """One all-gather whose rank-major result `[world, n]` is split by columns into `outputs`.
 
-    `outputs[i]` is `[world, sizes[i]]` (any strides) and the sizes sum to `n =
-    input_tensor.numel()`: row r of `outputs[i]` gets rank r's `input_tensor[offset_i :
-    offset_i + sizes[i]]`. Through shared memory the columns go straight from the slots to
-    `outputs`; otherwise through an all-gather into `scratch` (1D, at least `world * n`
-    elements: the caller's reused memory) or, without one, a fresh buffer.
+    `outputs[i]` is `[world, sizes[i]]` (any strides) and the sizes sum to `n`: row r of
+    `outputs[i]` gets rank r's columns `[offset_i, offset_i + sizes[i])` of the result. Each
+    rank's contribution is `input_tensor` (`n` elements), or, when that is None, what row
+    `rank` of the outputs already holds (in place: that row is read, never written; stages 1
+    and 2 after a step, whose updated slices lie in the parameters). Through shared memory
+    the columns go straight from the slots to `outputs`; otherwise through an all-gather into
+    `scratch` (1D, at least `world * n` elements: the caller's reused memory) or, without one,
+    a fresh buffer.
     """
-    world, n = get_world_size(group), input_tensor.numel()
-    if sum(sizes) != n or len(sizes) != len(outputs):
-        raise ValueError(f"all_gather_into_columns: sizes {sizes} do not split the input's {n} elements")
-    # Stages 1 and 2 gather a step's updated slices back into parameters whose own row is the
-    # input itself: that row is not copied onto itself (half the copy-out at 2 ranks).
-    rank = get_rank(group)
-    rows = (
-        [r for r in range(world) if r != rank]
-        if _own_rows_are_input(outputs, sizes, input_tensor, rank)
-        else None
-    )
-    channel = _shm_channel(group, input_tensor)
+    world, n = get_world_size(group), sum(sizes)
+    if len(sizes) != len(outputs) or (input_tensor is not None and input_tensor.numel() != n):
+        have = "in place" if input_tensor is None else f"the input's {input_tensor.numel()} elements"
+        raise ValueError(
+            f"all_gather_into_columns: sizes {sizes} do not split {len(outputs)} outputs ({have})"
+        )
+    in_place = input_tensor is None
+    if in_place and world == 1:
+        return  # the one row is already this rank's
+    if in_place:
+        channel = _shm_channel(group) if all(out.is_cpu for out in outputs) else None
+    else:
+        channel = _shm_channel(group, input_tensor)
     if channel is not None:
-        channel.all_gather_columns(outputs, sizes, input_tensor, rows)
+        channel.all_gather_columns(outputs, sizes, input_tensor)
         return
+    sample = outputs[0] if in_place else input_tensor
     if scratch is None:
-        scratch = torch.empty(world * n, dtype=input_tensor.dtype, device=input_tensor.device)
+        scratch = torch.empty(world * n, dtype=sample.dtype, device=sample.device)
     gathered = scratch.view(-1)[: world * n].view(world, n)
+    rank = get_rank(group)
+    if in_place:  # this rank's rows side by side in its own row of the result: the input
+        torch.cat([out[rank] for out in outputs], out=gathered[rank])
+        input_tensor = gathered[rank]
     all_gather_into_tensor(gathered.view(-1), input_tensor, group=group)
-    shm.copy_columns(gathered, sizes, outputs, rows)
-
-
-def _own_rows_are_input(outputs: list, sizes: list, input_tensor: torch.Tensor, rank: int) -> bool:
-    """Whether row `rank` of every output is the memory of its columns of `input_tensor`."""
-    if input_tensor.dim() != 1 or input_tensor.stride(0) != 1:
-        return False
-    address, item = input_tensor.data_ptr(), input_tensor.element_size()
-    for out, size in zip(outputs, sizes):
-        row = out[rank]
-        if (
-            row.device != input_tensor.device
-            or row.data_ptr() != address
-            or (size > 1 and row.stride(0) != 1)
-        ):
-            return False
-        address += size * item
-    return True
+    shm.copy_columns(gathered, sizes, outputs, [r for r in range(world) if r != rank] if in_place else None)
 
 
 def reduce_scatter_columns(

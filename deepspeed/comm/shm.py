@@ -226,18 +226,28 @@ class ShmChannel:
         for start, k, slots in self._rounds("all_gather", inp.reshape(-1)):
             dst[:, start : start + k].copy_(slots[:, :k])
 
-    def all_gather_columns(
-        self, outputs: list, sizes: list, inp: torch.Tensor, rows: Optional[list] = None
-    ) -> None:
+    def all_gather_columns(self, outputs: list, sizes: list, inp: Optional[torch.Tensor]) -> None:
         """An all-gather whose `[world, n]` rank-major result is split by columns into
-        `outputs` (`[world, sizes[i]]` each, sizes summing to n), straight from the slots;
-        only the rows in `rows` when given (see `comm.all_gather_into_columns`)."""
-        n = inp.numel()
-        self._count("all_gather", self.world * n * inp.element_size())
+        `outputs` (`[world, sizes[i]]` each, sizes summing to n), straight from the slots.
+        `inp` None: this rank's part is row `rank` of the outputs, which is packed into the
+        slot and not written (see `comm.all_gather_into_columns`)."""
+        n, world, rank = sum(sizes), self.world, self.rank
+        dtype = outputs[0].dtype if inp is None else inp.dtype
+        itemsize = outputs[0].element_size() if inp is None else inp.element_size()
+        self._count("all_gather", world * n * itemsize)
+        step, post = self.slot_bytes // itemsize, _post("all_gather", dtype, n)
         ends = list(itertools.accumulate(sizes))
-        for start, k, slots in self._rounds("all_gather", inp.reshape(-1)):
+        others = [r for r in range(world) if r != rank] if inp is None else None
+        for start in _chunk_starts(n, step):
+            k = min(step, n - start)
+            slots = self._slots(dtype)
             dests, widths = (outputs, sizes) if k == n else _column_views(outputs, sizes, ends, start, k)
-            copy_columns(slots[:, :k], widths, dests, rows)
+            if inp is None:
+                torch.cat([d[rank] for d in dests], out=slots[rank, :k])
+            else:
+                slots[rank, :k].copy_(inp.reshape(-1)[start : start + k])
+            self._meet(post)
+            copy_columns(slots[:, :k], widths, dests, others)
 
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """`out` (n elements) gets the sum over ranks of slice `rank` of `inp` (`world * n`)."""

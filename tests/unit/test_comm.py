@@ -259,20 +259,24 @@ class TestSharedMemoryCollectives(DistributedTest):
                     assert torch.equal(got, want), path
                 assert (wide[:, :10] == -1).all() and (wide[:, 74:] == -1).all(), path
 
-                # Outputs whose own row is the input (stages 1 and 2 after a step): only the
-                # other ranks' rows are copied, and the result is the same.
-                matrix = torch.full((size, sum(sizes)), -1.0)
-                matrix[rank] = everyone[rank]
-                outputs = list(matrix.split(sizes, dim=1))
+                # In place (stages 1 and 2 after a step): each output's own row is this rank's
+                # part; it is read, never written, and only the other ranks' rows are copied.
+                wide = torch.full((size, 200), -1.0)
+                outputs = [torch.full((size, n), -1.0) for n in sizes]
+                outputs[3] = wide[:, 10:74]
+                for out, part in zip(outputs, everyone[rank].split(sizes)):
+                    out[rank] = part
                 with mock.patch.object(shm, "copy_columns", wraps=shm.copy_columns) as copy_columns:
-                    facade.all_gather_into_columns(outputs, sizes, matrix[rank], group=group, scratch=scratch)
+                    facade.all_gather_into_columns(outputs, sizes, None, group=group, scratch=scratch)
                 copied = [c.args[3] for c in copy_columns.call_args_list]
-                assert torch.equal(matrix, torch.cat(everyone).view(size, -1)), path
+                for got, want in zip(outputs, expected):
+                    assert torch.equal(got, want), path
+                assert (wide[:, :10] == -1).all() and (wide[:, 74:] == -1).all(), path
                 assert copied and all(rows == [r for r in range(size) if r != rank] for rows in copied), (
                     path,
                     copied,
                 )
-        with pytest.raises(ValueError, match="do not split the input"):
+        with pytest.raises(ValueError, match="do not split"):
             facade.all_gather_into_columns(outputs, [1, 2], everyone[rank], group=group)
 
     def test_reduce_scatter_columns_packs_blocks_into_the_slot(self):

@@ -350,6 +350,32 @@ class TestEngineFeatures(DistributedTest):
         cfg["zero_optimization"]["stage"] = 1
         deepspeed.initialize(model=TinyLM(), config=cfg, mpu=ModelParallel(1, dist.get_world_group()))
 
+    @pytest.mark.parametrize("stage", [1, 2])
+    def test_replicated_slices_live_in_the_parameters(self, stage):
+        """Stages 1-2, fp32: an evenly split parameter's master is its own row (no copy), a
+        padded one's is a copy, training matches torch, and a parameter whose `.data` is
+        replaced after initialize still gets the trained values (the master stays the truth)."""
+        data = batches(4)
+        reference, ref_losses = reference_run(data)
+        engine, losses = engine_run(data[:2], zero_optimization={"stage": stage, "reduce_bucket_size": 300})
+        ws, rank = dist.get_world_size(), dist.get_rank()
+        evenly = 0
+        for name, p in engine.module.named_parameters():
+            master = engine.optimizer.masters[engine.replicated[id(p)].ds_id]
+            if p.numel() % ws == 0:
+                evenly += 1
+                assert master.data_ptr() == p.data.view(ws, -1)[rank].data_ptr(), name
+            else:
+                assert master.untyped_storage().data_ptr() != p.untyped_storage().data_ptr(), name
+        assert 0 < evenly < len(list(engine.module.parameters()))  # both kinds are exercised
+        head = engine.module.head.weight
+        assert head.numel() % ws == 0
+        head.data = head.data.clone()  # the master no longer lies in the parameter
+        losses += train(engine, data[2:])
+        assert_parity(engine, losses, reference, ref_losses)
+        master = engine.optimizer.masters[engine.replicated[id(head)].ds_id]
+        assert torch.equal(head.data.view(ws, -1)[rank], master.data)
+
     def test_bf16_tracks_fp32(self):
         data = batches(6, seed=3)
         _, fp32_losses = engine_run(data)

@@ -431,11 +431,12 @@ def gather_into_params(states: list, bucket_elems: int = 0) -> None:
 
     One collective per (group, dtype) bucket, closed once it holds `bucket_elems` gathered
     elements (`allgather_bucket_size`; 0: no limit), so the temporary output stays bounded.
-    The input is the bucket's shards back to back (a view of their flat buffer when they lie
-    so); `dist.all_gather_into_columns` moves each parameter's column block of the
-    rank-major result straight into its storage, which is `[world, partition_size]` when it
-    has no padding. A padded parameter's block goes through a small buffer first, since its
-    last rank's slice runs past its end.
+    The gather runs in place: each parameter's storage, seen as `[world, partition_size]`
+    when it has no padding, holds this rank's shard in row `rank` (already there for a
+    replicated parameter, whose shard is that row; copied there otherwise), and
+    `dist.all_gather_into_columns` fills the other rows straight from the collective. A
+    padded parameter's block goes through a small buffer first, since its last rank's slice
+    runs past its end.
     """
     by_key: dict = {}
     for s in states:
@@ -455,7 +456,7 @@ def gather_into_params(states: list, bucket_elems: int = 0) -> None:
         # faults on the CPU.
         first, device = same[0], _compute_device()
         scratch = None
-        if not dist.completes_on_issue(first.group, first.shard):
+        if not dist.completes_on_issue(first.group, first.param.data):
             capacity = max(sum(s.partition_size for s in b) for b in buckets) * first.world_size
             scratch = torch.empty(capacity, dtype=first.shard.dtype, device=device)
         for bucket in buckets:
@@ -465,21 +466,21 @@ def gather_into_params(states: list, bucket_elems: int = 0) -> None:
 @torch.no_grad()
 def _gather_bucket(states: list, device: torch.device, scratch: Optional[torch.Tensor]) -> None:
     first = states[0]
-    world, sizes = first.world_size, [s.partition_size for s in states]
-    flat_in = _flat_input(states, device)
-    padded = {
-        id(s): torch.empty(world, s.partition_size, dtype=flat_in.dtype, device=device)
-        for s in states
-        if not _storage_is_rows(s)
-    }
-    targets = [padded.get(id(s), None) for s in states]
-    targets = [
-        t if t is not None else s.param.data.view(world, s.partition_size) for t, s in zip(targets, states)
-    ]
-    dist.all_gather_into_columns(targets, sizes, flat_in, group=first.group, scratch=scratch)
+    world, rank, sizes = first.world_size, first.rank, [s.partition_size for s in states]
+    targets, padded = [], []
     for s in states:
-        if id(s) in padded:
-            s.param.data.copy_(padded[id(s)].view(-1)[: s.numel].view(s.shape))
+        if _storage_is_rows(s):
+            target = s.param.data.view(world, s.partition_size)
+        else:  # its last rank's slice runs past its end: gathered into a small buffer first
+            target = torch.empty(world, s.partition_size, dtype=s.shard.dtype, device=device)
+            padded.append((s, target))
+        own = target[rank]
+        if own.data_ptr() != s.shard.data_ptr():  # not the parameter's own slice (stage 3, padding)
+            own.copy_(s.shard)
+        targets.append(target)
+    dist.all_gather_into_columns(targets, sizes, None, group=first.group, scratch=scratch)
+    for s, target in padded:
+        s.param.data.copy_(target.view(-1)[: s.numel].view(s.shape))
 
 
 def _storage_is_rows(state: Any) -> bool:

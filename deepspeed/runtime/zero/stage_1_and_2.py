@@ -4,9 +4,11 @@
 Stages 1 and 2 keep every parameter whole on every rank, so forward and backward run as in
 DDP, with no gather and no hooks. What is sharded is the optimizer's side. Each trainable
 parameter is cut by the same shard math as stage 3 (param_state's note), and this rank owns
-slice `rank` of every parameter: the `shard` of a `ReplicatedShard`, a view into one flat
-buffer per dtype, in parameter order. The fp32 masters and the optimizer state exist only
-for those slices (12/N bytes per parameter with Adam in fp32), and the stage-3 optimizer
+slice `rank` of every parameter: the `shard` of a `ReplicatedShard`, which is that slice of
+the parameter itself where the parameter splits evenly over the ranks (else a copy, see
+`make_replicated_shards`). The fp32 masters and the optimizer state exist only
+for those slices (Adam in fp32: 8/N bytes per parameter for its moments, the master being
+the slice itself; 4/N more for a copied slice), and the stage-3 optimizer
 steps them unchanged, since a `ReplicatedShard` answers the same questions as a stage-3
 `ZeroParamState` (shard, sizes, group). Only two things differ between the stages:
 - when gradients are reduced: stage 2 reduce-scatters each gradient in buckets as soon as
@@ -42,8 +44,10 @@ class ReplicatedShard:
     rank: int
     partition_size: int  # elements per rank, padding included
     padding: int
-    shard: torch.Tensor  # 1D [partition_size], the parameter's dtype; a view into a flat buffer
-    shard_base: torch.Tensor  # that flat buffer (one per dtype and device, in parameter order)
+    # 1D [partition_size], the parameter's dtype: the parameter's own slice where it splits
+    # evenly, else a view into a flat buffer (see make_replicated_shards)
+    shard: torch.Tensor
+    shard_base: torch.Tensor  # that flat buffer (`shard` itself for an own slice)
     shard_offset: int  # where `shard` starts in it: adjacent shards gather from one view
     shard_version: int  # stage-3 compatibility: edits never land in a replicated shard
     # Stages 0-1 between micro-steps: the fp32 sum of a bf16/fp16 parameter's earlier gradients
@@ -75,26 +79,48 @@ class ReplicatedShard:
         start = self.rank * self.partition_size
         return min(start, self.numel), min(start + self.partition_size, self.numel)
 
+    def in_param(self) -> bool:
+        """Whether `shard` is the parameter's own slice (see `make_replicated_shards`)."""
+        start = self.rank * self.partition_size
+        data = self.param.data
+        return (
+            self.padding == 0
+            and data.dtype == self.shard.dtype
+            and data.is_contiguous()
+            and self.shard.data_ptr() == data.data_ptr() + start * data.element_size()
+        )
+
     @torch.no_grad()
     def copy_from_param(self) -> None:
         start, end = self.own_slice_bounds()
-        if end > start:
+        if end > start and not self.in_param():
             self.shard[: end - start].copy_(self.param.data.reshape(-1)[start:end])
 
 
 def make_replicated_shards(module: nn.Module, group: Any = None) -> dict:
     """`id(param) -> ReplicatedShard` for every parameter of `module` (see the note).
 
+    A parameter whose elements split evenly over the ranks keeps its slice where it is: the
+    shard is row `rank` of the parameter seen as `[world, partition_size]`, so an fp32 master
+    (which is the shard) steps inside the parameter, and the all-gather after a step writes
+    only the other ranks' rows. The others (padded: the last rank's slice runs past the end)
+    get a copy in one flat buffer per dtype and device, in parameter order.
+
     Frozen parameters get one too, so a checkpoint stores every parameter the same way at
     every stage; only trainable ones get an fp32 master.
     """
     params = list(enumerate(module.parameters()))
-    world = dist.get_world_size(group)
-    by_key: dict = {}
-    for index, p in params:
-        by_key.setdefault((p.dtype, p.device), []).append((index, p))
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    padded: dict = {}
     shards: dict = {}
-    for (dtype, device), members in by_key.items():
+    for index, p in params:
+        size, padding = shard_sizes(p.numel(), world)
+        if padding == 0 and p.data.is_contiguous():
+            row = p.data.view(world, size)[rank]
+            shards[id(p)] = ReplicatedShard(p, index, group, row, row)
+        else:
+            padded.setdefault((p.dtype, p.device), []).append((index, p))
+    for (dtype, device), members in padded.items():
         sizes = [shard_sizes(p.numel(), world)[0] for _, p in members]
         flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
         for (index, p), view in zip(members, torch.split(flat, sizes)):
