@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import time
 import weakref
 from typing import Any, Optional
 
@@ -192,6 +193,9 @@ def init_distributed(
 
 
 _EXIT_HOOK = []  # holds True once `_destroy_at_exit` is registered
+# How long `_destroy_at_exit` leaves gloo's worker threads to release finished collectives
+# (they need the GIL for microseconds; the margin is for a descheduled thread on a busy host).
+_GLOO_RELEASE_S = 0.05
 
 
 def _destroy_before_teardown() -> None:
@@ -210,8 +214,19 @@ def _destroy_at_exit() -> None:
     PartialState, Lightning) as much as for one `init_distributed` made, so both register
     this. Destroying is local (no collective), so it cannot hang on a peer that already
     exited; a program that destroyed the group itself makes it a no-op.
+
+    Before that, a short sleep. gloo's worker thread lets go of a finished collective after
+    the caller's `wait()` returned, and letting go takes the GIL (the work holds Python
+    tensors). One still waiting for the GIL when the interpreter starts finalizing calls
+    `pthread_exit` in a C++ frame, which aborts the process the same way: a core dump of such
+    an abort had gloo's `runLoop` in `~AsyncAllreduceWork`, in `take_gil`, while the main
+    thread was in `Py_FinalizeEx`; the program's last gloo all-reduce had returned 1 ms before
+    it ended, and 3 of 18 such runs aborted. Sleeping releases the GIL, so the release runs
+    now, while the interpreter can still take it.
     """
     if _dist.is_available() and _dist.is_initialized():
+        if "gloo" in str(_dist.get_backend()):
+            time.sleep(_GLOO_RELEASE_S)
         destroy_process_group()  # ours: the channels go too
 
 
