@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from _launch import leave_distributed
 from torch import nn
 
 import deepspeed
@@ -98,6 +99,7 @@ def main() -> None:
         payload = {"cases": results, "deepspeed_version": deepspeed.__version__, "torch": torch.__version__}
         print(MARK, json.dumps(payload), flush=True)
     dist.barrier()
+    leave_distributed()
 
 
 if __name__ == "__main__":

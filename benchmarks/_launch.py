@@ -56,10 +56,24 @@ def _rank_main(target: Callable, rank: int, world_size: int, port: int, args: tu
         raise SystemExit(1) from None
     finally:
         with contextlib.suppress(Exception):
-            from deepspeed import comm as dist
+            leave_distributed()
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+
+def leave_distributed() -> None:
+    """Destroy the default process group, if any, after a short sleep: call before exiting.
+
+    gloo's worker thread lets go of a finished collective after the caller's `wait()`
+    returned, and letting go takes the GIL; one still waiting for it when the interpreter
+    finalizes aborts the process ("terminate called without an active exception"). That
+    once threw away a complete upstream gather report (its rank 0 had printed it). The
+    sleep releases the GIL first; ours does the same at exit (`_destroy_at_exit` in
+    deepspeed/comm/comm.py), upstream and plain torch do not.
+    """
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        time.sleep(0.05)
+        tdist.destroy_process_group()
 
 
 @contextlib.contextmanager

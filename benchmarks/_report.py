@@ -344,10 +344,16 @@ def markdown(report: dict) -> str:
         f"upstream DeepSpeed {upstream}; total {report['wall_s']:.0f} s{' (--quick)' if report['quick'] else ''}.",
         targets_table(report),
     ]
-    if report.get("updated_sections"):
+    by_date: dict = {}
+    for name, date in (report.get("section_dates") or {}).items():
+        by_date.setdefault(date, []).append(name)
+    if len(by_date) > 1:  # some sections kept from earlier runs (`run_all.py --update`)
         parts[0] += (
-            f" Sections re-measured in this run (`run_all.py --update`): {', '.join(report['updated_sections'])};"
-            f" the others are from the run of {report['first_run_date']}."
+            " Sections by when they were measured: "
+            + "; ".join(
+                f"{', '.join(names)} at {date}" for date, names in sorted(by_date.items(), reverse=True)
+            )
+            + "."
         )
     sections = (
         ("train_step", "Train step, 2 ranks, median s per step", train_table),

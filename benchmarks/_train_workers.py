@@ -37,6 +37,7 @@ import time
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
+from _launch import leave_distributed
 from torch import nn
 
 MARK = "@@train@@"
@@ -404,7 +405,8 @@ def optimizer_bytes_by_device() -> dict:
     """The optimizer's own tensors (the masters it steps, their gradients, its state) by device.
 
     Read from the DeepSpeed engine's optimizer (its `param_groups` hold the fp32 masters, its
-    `state` the moments); empty for the torch baselines.
+    `state` the moments); empty for the torch baselines. Each tensor counts its own elements,
+    not its whole storage: at stages 1-2 an fp32 master is a slice of its parameter.
     """
     if not ENGINE:
         return {}
@@ -417,8 +419,7 @@ def optimizer_bytes_by_device() -> dict:
         tensors += [t for t in per_param.values() if isinstance(t, torch.Tensor)]
     seen: dict = {}
     for t in tensors:
-        storage = t.untyped_storage()
-        seen[(storage.device.type, storage.data_ptr())] = (storage.nbytes(), storage.device.type)
+        seen[(t.device.type, t.data_ptr())] = (t.numel() * t.element_size(), t.device.type)
     out: dict = {}
     for n, device in seen.values():
         out[device] = out.get(device, 0) + n
@@ -581,8 +582,7 @@ def main() -> None:
     info.update(params=n_params, threads=torch.get_num_threads(), torch_version=torch.__version__)
     emit(rank, {"event": "ready", "loss": runner.last_loss, **info})
     serve(runner, rank, instrument)
-    if distributed:
-        tdist.destroy_process_group()
+    leave_distributed()
 
 
 if __name__ == "__main__":

@@ -462,15 +462,19 @@ def main(argv=None) -> int:
         raise SystemExit(f"--only: unknown section(s) {unknown}; choose from {', '.join(runners)}")
     report: dict = dict.fromkeys(runners)
     previous = opts.out_dir / "latest.json"
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    section_dates = dict.fromkeys(only, now)  # when each section in the report was measured
     if opts.update:
         if not previous.exists():
             raise SystemExit(
                 f"--update keeps the other sections of {previous}, which does not exist; run without it"
             )
         kept = json.loads(previous.read_text())
-        report.update({k: kept.get(k) for k in runners if k not in only})
-        report["updated_sections"] = sorted(only)
-        report["first_run_date"] = kept.get("first_run_date", kept.get("date"))
+        kept_dates = kept.get("section_dates") or {}
+        for name in runners:
+            if name not in only:
+                report[name] = kept.get(name)
+                section_dates[name] = kept_dates.get(name, kept.get("first_run_date", kept.get("date")))
     with tempfile.TemporaryDirectory(prefix="bench_all_") as tmp:
         for name, run_section in runners.items():  # the order of the report
             if name in only:
@@ -478,7 +482,8 @@ def main(argv=None) -> int:
     report.update(
         machine=_report.machine(load_before),
         versions=_versions(opts),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        section_dates={name: section_dates[name] for name in runners if name in section_dates},
+        date=now,
         quick=opts.quick,
         wall_s=round(time.monotonic() - started, 1),
     )
