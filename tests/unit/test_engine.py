@@ -375,6 +375,15 @@ class TestEngineFeatures(DistributedTest):
         assert_parity(engine, losses, reference, ref_losses)
         master = engine.optimizer.masters[engine.replicated[id(head)].ds_id]
         assert torch.equal(head.data.view(ws, -1)[rank], master.data)
+        # Two parameters over one memory keep copies: aliased masters would each update it.
+        twins = nn.Linear(4, 4, bias=False)
+        twins.twin = nn.Parameter(twins.weight.data)
+        twin_engine, _, _, _ = deepspeed.initialize(
+            model=twins, config=config(zero_optimization={"stage": stage})
+        )
+        for p in twin_engine.module.parameters():
+            master = twin_engine.optimizer.masters[twin_engine.replicated[id(p)].ds_id]
+            assert master.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
 
     def test_bf16_tracks_fp32(self):
         data = batches(6, seed=3)

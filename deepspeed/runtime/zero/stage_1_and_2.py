@@ -103,19 +103,26 @@ def make_replicated_shards(module: nn.Module, group: Any = None) -> dict:
     A parameter whose elements split evenly over the ranks keeps its slice where it is: the
     shard is row `rank` of the parameter seen as `[world, partition_size]`, so an fp32 master
     (which is the shard) steps inside the parameter, and the all-gather after a step writes
-    only the other ranks' rows. The others (padded: the last rank's slice runs past the end)
-    get a copy in one flat buffer per dtype and device, in parameter order.
+    only the other ranks' rows. The others get a copy in one flat buffer per dtype and
+    device, in parameter order: a padded parameter (its last rank's slice runs past its end),
+    and one whose storage another parameter shares (two masters in one memory would each
+    apply their own update to it).
 
     Frozen parameters get one too, so a checkpoint stores every parameter the same way at
     every stage; only trainable ones get an fp32 master.
     """
     params = list(enumerate(module.parameters()))
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    storages: dict = {}
+    for _, p in params:
+        key = (p.device, p.untyped_storage().data_ptr())
+        storages[key] = storages.get(key, 0) + 1
     padded: dict = {}
     shards: dict = {}
     for index, p in params:
         size, padding = shard_sizes(p.numel(), world)
-        if padding == 0 and p.data.is_contiguous():
+        shared = storages[(p.device, p.untyped_storage().data_ptr())] > 1
+        if padding == 0 and p.data.is_contiguous() and not shared:
             row = p.data.view(world, size)[rank]
             shards[id(p)] = ReplicatedShard(p, index, group, row, row)
         else:
