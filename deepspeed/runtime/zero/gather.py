@@ -475,7 +475,7 @@ def _gather_bucket(states: list, device: torch.device, scratch: Optional[torch.T
             target = torch.empty(world, s.partition_size, dtype=s.shard.dtype, device=device)
             padded.append((s, target))
         own = target[rank]
-        if own.data_ptr() != s.shard.data_ptr():  # not the parameter's own slice (stage 3, padding)
+        if own.data_ptr() != s.shard.data_ptr():  # a copy: stage 3, padding, shared storage, new .data
             own.copy_(s.shard)
         targets.append(target)
     dist.all_gather_into_columns(targets, sizes, None, group=first.group, scratch=scratch)
