@@ -66,6 +66,22 @@ def default_backend() -> str:
     return get_accelerator().communication_backend_name()
 
 
+def max_ranks(backend: str) -> Optional[int]:
+    """The most ranks `backend` can run on this machine: nccl needs a GPU per rank; gloo has no limit."""
+    if backend != "nccl":
+        return None
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def fit_world_size(size: int) -> int:
+    """`size`, or as many ranks as the default backend can run here if fewer (one GPU: 1 rank).
+    For suites whose checks hold at any world size, such as the zoo's parity tests."""
+    limit = max_ranks(default_backend())
+    return size if limit is None else max(1, min(size, limit))
+
+
 def world_size(*sizes: int):
     """Decorator: run this test method at these world sizes instead of the class's."""
 
@@ -287,6 +303,9 @@ atexit.register(_POOLS.close_all)
 
 def _run_distributed(cls, method_name: str, size: int, kwargs: dict) -> None:
     backend = cls.backend or default_backend()
+    limit = max_ranks(backend)
+    if limit is not None and size > limit:
+        pytest.skip(f"{size} ranks on {backend} need {size} GPUs; this machine has {limit}")
     task = (cls.__module__, cls.__name__, method_name, kwargs)
     if not cls.reuse_dist_env:
         pool = _RankPool(size, backend, init_dist=cls.init_distributed)

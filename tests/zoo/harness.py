@@ -8,6 +8,9 @@ engine side feeds this rank its micro-batches through `engine(...)`, `engine.bac
 `engine.step`. `compare` checks this rank's loss at every micro-step (rtol 1e-5), the
 gathered final parameters (atol 5e-5) and this rank's buffers, and appends one line per
 rank to the results file (`DS_ZOO_RESULTS`, default `<tmp>/ds_zoo_results.tsv`).
+
+Both sides run on the accelerator's device (the CPU here, a GPU under CUDA): batches are made
+on the CPU from one seed and moved by `on_device`, and comparisons are made on CPU copies.
 """
 
 from __future__ import annotations
@@ -24,11 +27,28 @@ from torch import nn
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 5e-5
 SEED = 1234
 DATA_SEED = 99
+
+
+def device() -> torch.device:
+    """Where both sides train: this rank's accelerator device."""
+    return torch.device(get_accelerator().current_device_name())
+
+
+def on_device(batch: Any) -> Any:
+    """A batch (tensors in tuples, lists or dicts) moved to `device()`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device())
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(on_device(item) for item in batch)
+    if isinstance(batch, dict):
+        return {key: on_device(value) for key, value in batch.items()}
+    return batch
 
 
 def results_path() -> str:
@@ -151,15 +171,20 @@ def _load_buffers(model: nn.Module, saved: dict) -> None:
 
 
 def _autocast(enabled: bool):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+    return torch.autocast(device().type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
 def build(case: Case, zero: bool) -> nn.Module:
     torch.manual_seed(SEED)
-    if zero and case.under_init:
+    if not case.under_init:
+        return case.build()
+    if zero:
         with deepspeed.zero.Init(config_dict_or_path=case.config()):
             return case.build()
-    return case.build()
+    # zero.Init creates tensors on the accelerator, as upstream's does, so the initial values
+    # come from that device's generator: the reference is built there too.
+    with device():
+        return case.build()
 
 
 def _global_norm(params) -> float:
@@ -168,9 +193,9 @@ def _global_norm(params) -> float:
 
 
 def run_reference(case: Case, data: list, model: Optional[nn.Module] = None) -> Run:
-    """DDP-style plain PyTorch; bf16 cases run under CPU autocast."""
+    """DDP-style plain PyTorch on `device()`; bf16 cases run under autocast."""
     ws, rank = dist.get_world_size(), dist.get_rank()
-    model = model if model is not None else build(case, zero=False)
+    model = (model if model is not None else build(case, zero=False)).to(device())
     opt = case.reference_optimizer(model)
     per_rank = [_buffers(model) for _ in range(ws)]
     losses, outputs, norms = [], [], []
@@ -180,7 +205,7 @@ def run_reference(case: Case, data: list, model: Optional[nn.Module] = None) -> 
             for r, batch in enumerate(micro):
                 _load_buffers(model, per_rank[r])
                 with _autocast(case.bf16):
-                    loss = case.loss_fn(model, batch)
+                    loss = case.loss_fn(model, on_device(batch))
                 (loss.float() / (ws * case.gas)).backward()
                 per_rank[r] = _buffers(model)
                 if r == rank:
@@ -211,7 +236,7 @@ def run_engine(case: Case, data: list, engine: Any = None) -> Run:
     losses, outputs, norms = [], [], []
     for step in data:
         for micro in step:
-            loss = case.loss_fn(engine, micro[rank])
+            loss = case.loss_fn(engine, on_device(micro[rank]))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -222,17 +247,17 @@ def run_engine(case: Case, data: list, engine: Any = None) -> Run:
 
 
 def gathered(model: nn.Module) -> dict:
-    """`{name: fp32 clone}` of every parameter, gathered from the shards."""
+    """`{name: fp32 copy on the CPU}` of every parameter, gathered from the shards."""
     params = list(model.parameters())
     with deepspeed.zero.GatheredParameters(params):
-        return {n: p.detach().clone().float() for n, p in model.named_parameters()}
+        return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
 def max_abs_diff(a: dict, b: dict) -> tuple:
     """(largest |a - b| over all entries, the name where it is)."""
     worst, where = 0.0, ""
     for name in a:
-        d = (a[name].float() - b[name].float()).abs().max().item() if a[name].numel() else 0.0
+        d = (a[name].float().cpu() - b[name].float().cpu()).abs().max().item() if a[name].numel() else 0.0
         if d > worst or d != d:  # keep NaN
             worst, where = d, name
     return worst, where
@@ -273,7 +298,7 @@ def compare(
     out_diff = 0.0
     for a, b in zip(got.outputs, ref.outputs):
         if a is not None:
-            out_diff = max(out_diff, (a.float() - b.float()).abs().max().item())
+            out_diff = max(out_diff, (a.float().cpu() - b.float().cpu()).abs().max().item())
     numbers = dict(loss_abs=loss_abs, loss_rel=loss_rel, param=param_diff, buffer=buf_diff, output=out_diff)
     if not loss_rel <= loss_rtol:
         problems.append(

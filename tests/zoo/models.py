@@ -161,7 +161,9 @@ class MHAModel(nn.Module):
 
     def forward(self, ids):
         h = self.embed(ids)
-        mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)
+        mask = torch.triu(
+            torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device), diagonal=1
+        )
         a, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
         return self.head(self.norm(h + a))
 
@@ -185,7 +187,7 @@ class DoraLikeModel(nn.Module):
         assert weight.shape == (4, WIDTH) and weight.size(1) == WIDTH and weight.size() == (4, WIDTH)
         assert weight.dim() == 2 and weight.numel() == 4 * WIDTH
         assert weight.stride() == (WIDTH, 1) and weight.stride(0) == WIDTH and weight.stride(-1) == 1
-        eye = torch.eye(weight.shape[1])
+        eye = torch.eye(weight.shape[1], device=h.device)
         delta = self.up(self.down(eye)).T  # (WIDTH, WIDTH): the low-rank update, as DoRA builds it
         h = h + torch.tanh(h @ delta)
         return h @ self.head.weight.T + self.head.bias

@@ -10,7 +10,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from tests.unit.common import DistributedTest
+from tests.unit.common import DistributedTest, fit_world_size
 from tests.zoo import models as zm
 from tests.zoo.harness import (
     SEED,
@@ -19,9 +19,11 @@ from tests.zoo.harness import (
     build,
     check_parity,
     compare,
+    device,
     gathered,
     initialize,
     max_abs_diff,
+    on_device,
     record,
     recorded,
     run_engine,
@@ -41,7 +43,7 @@ def token_mlp_case(name, **kwargs) -> Case:
 
 
 def initial_params(case: Case) -> dict:
-    return {n: p.detach().clone() for n, p in build(case, zero=False).named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in build(case, zero=False).named_parameters()}
 
 
 def head_only(model):
@@ -60,7 +62,7 @@ def decay_groups(model):
 
 def eval_and_generate(model, step):
     """An eval forward and a greedy `generate`, called on the module directly, between steps."""
-    ids = torch.arange(2, 2 + 2 * zm.SEQ).reshape(2, zm.SEQ) % zm.VOCAB
+    ids = on_device(torch.arange(2, 2 + 2 * zm.SEQ).reshape(2, zm.SEQ) % zm.VOCAB)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -70,7 +72,7 @@ def eval_and_generate(model, step):
 
 
 class TestZooTraining(DistributedTest):
-    world_size = 2
+    world_size = fit_world_size(2)  # one rank on a one-GPU machine
     timeout_s = 240.0
 
     @ALL_STAGES
@@ -162,7 +164,8 @@ class TestZooTraining(DistributedTest):
             teacher_engine, opt, _, _ = deepspeed.initialize(model=teachers[1], config=zero_config(micro=2))
             assert opt is None
             torch.manual_seed(SEED)
-            ref = run_reference(case, data, model=zm.Student(teachers[0]))
+            # the student keeps its teacher out of its children: move it too
+            ref = run_reference(case, data, model=zm.Student(teachers[0].to(device())))
             torch.manual_seed(SEED)
             got = run_engine(case, data, engine=initialize(case, zm.Student(teacher_engine)))
             compare(case, got, ref)
@@ -186,7 +189,7 @@ class TestZooTraining(DistributedTest):
             module, losses, held_diffs = engine.module, [], []
             held = None
             for s, step in enumerate(data):
-                loss = case.loss_fn(engine, step[0][rank])
+                loss = case.loss_fn(engine, on_device(step[0][rank]))
                 losses.append(loss.item())
                 engine.backward(loss)
                 if s == 1:
@@ -242,7 +245,7 @@ class TestZooTraining(DistributedTest):
             }
             # bf16 values against the fp32 master: at most half a bf16 ulp (2^-9 relative) apart
             diffs = {k: max_abs_diff({n: live[n] for n in names}, v)[0] for k, v in views.items()}
-            ids, _ = data[2][0][rank]
+            ids, _ = on_device(data[2][0][rank])
             with torch.no_grad():
                 same_loss = abs(engine(ids).float().sum().item() - fresh(ids).float().sum().item())
             record(case.name, "ok", **{f"{k}_vs_live": v for k, v in diffs.items()}, next_fwd=same_loss)
