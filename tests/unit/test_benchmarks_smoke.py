@@ -54,6 +54,21 @@ def test_bench_init_memory_quick(tmp_path):
     assert all(r > 0 for r in ratios.values())
 
 
+@pytest.mark.timeout(150)
+def test_bench_accelerator_quick(tmp_path):
+    """On this machine the accelerator is the CPU: every case runs, and fp32 ones match plain."""
+    out = _run("bench_accelerator.py", "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "acc.json"))
+    assert "| fp32 | z3_off |" in out and "| bf16 | z2 |" in out, out
+    report = json.loads((tmp_path / "acc.json").read_text())
+    for dtype, cases in report["cases"].items():
+        assert set(cases) == {"plain", "z1", "z2", "z3", "z2_off", "z3_off"}, cases
+        for impl, entry in cases.items():
+            assert "error" not in entry, (dtype, impl, entry)
+            if impl != "plain":
+                assert entry["ratio_vs_plain"] > 0
+                assert entry["loss_rel_diff_vs_plain"] < (1e-5 if dtype == "fp32" else 1e-2), (dtype, impl)
+
+
 REQUIRED_KEYS = (
     "train_step.ours_s",
     "train_step.upstream_deepspeed_s",
