@@ -26,6 +26,7 @@ from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.zero import checkpoint_io as ckpt_io
 from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ParamMeta, ShardedCheckpoint
 from deepspeed.runtime.zero.checkpoint_upstream import UPSTREAM_ENGINE_KEYS
+from deepspeed.runtime.zero.stage3 import copy_cast
 from deepspeed.utils.logging import log_dist, logger
 from deepspeed.version import __version__
 
@@ -568,7 +569,7 @@ class CheckpointMixin:
                 state.shard.copy_(weights)
                 continue
             master.data.copy_(weights)
-            state.shard.copy_(master.data)  # as the optimizer's write-back casts it
+            copy_cast(state.shard, master.data)  # as the optimizer's write-back casts it
             self.optimizer.mark_master_current(state)  # an edit made before the load is gone
             if load_optim:
                 saved = ckpt.resharded_optimizer_state(name, state.world_size, state.rank)

@@ -364,7 +364,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             )
 
     def _install_grad_hooks(self) -> list:
-        self.reducer = GradientReducer.from_config(self._config, self.optimizer.accumulate_grad)
+        self.reducer = GradientReducer.from_config(
+            self._config, self.optimizer.accumulate_grad, self.optimizer.settle_gradients
+        )
         # [Note: a leaf's gradients are one unit] in leaf_grads.py
         self.leaf_grads = LeafGradients(
             self.module, self.optimizer.state_of, lambda state: state.ds_id in self.optimizer.masters

@@ -80,13 +80,16 @@ def reference_run(data, lr=3e-3, clip=0.0):
     return model, losses
 
 
-def engine_run(data, gas=1, clip=0.0, build_under_init=False, **extra):
+def engine_run(data, gas=1, clip=0.0, build_under_init=False, prepare=None, **extra):
+    """Train on `data` (one step per global batch); `prepare(engine)` runs before the first step."""
     torch.manual_seed(42)
     cfg = config(gas=gas, clip=clip, **extra)
     init = deepspeed.zero.Init(config_dict_or_path=cfg, enabled=build_under_init).start()
     model = TinyLM()
     init.stop()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=cfg)
+    if prepare is not None:
+        prepare(engine)
     losses = []
     for ids, labels in data:
         step_loss = 0.0
@@ -384,6 +387,45 @@ class TestEngineFeatures(DistributedTest):
         for p in twin_engine.module.parameters():
             master = twin_engine.optimizer.masters[twin_engine.replicated[id(p)].ds_id]
             assert master.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_offloaded_gradients_land_in_kept_buffers(self, stage):
+        """Optimizer offload as on a GPU (pinned masters, here forced on the CPU, where pinning
+        means nothing): each master's gradient lands in one buffer kept across steps, the copies
+        are settled by the end of backward, and training with accumulation matches torch."""
+        data = batches(3)
+        reference, ref_losses = reference_run(data)
+        seen, settles = [], []
+
+        def force_pinned_path(engine):
+            optimizer = engine.optimizer
+            optimizer.pin_masters = True
+            settle = optimizer.settle_gradients
+
+            def counted_settle():
+                settles.append(optimizer._host_grads_in_flight)
+                settle()
+
+            engine.reducer.settle = counted_settle
+            original_step = optimizer.step
+
+            def step():
+                assert not optimizer._host_grads_in_flight  # nothing read before it landed
+                seen.append({ds_id: buf.data_ptr() for ds_id, buf in optimizer._host_grads.items()})
+                grads = {ds_id: m.grad for ds_id, m in optimizer.masters.items()}
+                assert all(grads[i] is optimizer._host_grads[i] for i in optimizer._host_grads)
+                return original_step()
+
+            optimizer.step = step
+
+        zero = {"stage": stage, "reduce_bucket_size": 300, "offload_optimizer": {"device": "cpu"}}
+        engine, losses = engine_run(
+            data, gas=2, prepare=force_pinned_path, zero_optimization=zero, zero_force_ds_cpu_optimizer=False
+        )
+        assert_parity(engine, losses, reference, ref_losses)
+        assert len(seen) == 3 and seen[0] and seen[0] == seen[1] == seen[2]  # the same buffers every step
+        assert len(seen[0]) == len(engine.optimizer.masters)
+        assert settles and any(settles)  # backward ended with copies to settle
 
     def test_bf16_tracks_fp32(self):
         data = batches(6, seed=3)

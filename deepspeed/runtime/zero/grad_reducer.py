@@ -70,11 +70,16 @@ class GradientReducer:
         overlap_comm: bool = False,
         prescale_gradients: bool = False,
         predivide_factor: float = 1.0,
+        settle: Optional[Callable] = None,
     ) -> None:
         if predivide_factor <= 0:
             raise ValueError(f"gradient_predivide_factor must be positive, got {predivide_factor}")
         self.bucket_elems = max(1, int(bucket_elems))
         self.accumulate = accumulate  # (state, reduced slice, alpha) -> None
+        # () -> None, after the last accumulate of a flush: the accumulator's copies that may
+        # still be in flight must land before anyone reads the shards (stage3.py's note on
+        # offloaded gradients).
+        self.settle = settle
         self.comm_dtype = comm_dtype  # None: reduce in the gradient's own dtype
         self.overlap_comm = overlap_comm
         self.prescale_gradients = prescale_gradients
@@ -87,13 +92,16 @@ class GradientReducer:
         self.async_calls = 0  # of which asynchronous (overlap_comm)
 
     @classmethod
-    def from_config(cls, config: Any, accumulate: Callable) -> GradientReducer:
+    def from_config(
+        cls, config: Any, accumulate: Callable, settle: Optional[Callable] = None
+    ) -> GradientReducer:
         """A reducer set up from a `DeepSpeedConfig`: bucket size, dtype, overlap and scaling."""
         zero = config.zero_config
         return cls(
             zero.reduce_bucket_size,
             accumulate,
             config.communication_data_type,
+            settle=settle,
             overlap_comm=bool(zero.overlap_comm),
             prescale_gradients=config.prescale_gradients,
             predivide_factor=config.gradient_predivide_factor,
@@ -130,6 +138,8 @@ class GradientReducer:
         while self._in_flight:
             self._complete(self._in_flight.pop(0))
         self._spare.clear()  # between backwards, no buffer outlives its bucket
+        if self.settle is not None:
+            self.settle()
 
     def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D buffer of at least `numel` elements: an earlier bucket's of this backward if big enough.
