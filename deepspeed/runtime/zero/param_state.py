@@ -11,6 +11,16 @@ Callers read `param.ds_status`, `param.ds_tensor`, ... and call `param.all_gathe
 Rather than glue closures and loose attributes onto each parameter (upstream), a converted
 parameter's class becomes `ZeroParameter`, whose properties and methods read and act on the
 single `ZeroParamState` stored in `param._zero_state`. It is still an `nn.Parameter`.
+
+[Note: a gathered parameter skips the dispatch]
+`ZeroParameter.__torch_function__` runs in Python for every torch function that takes the
+parameter, only to serve a partitioned or in-flight one: Init's in-place hook, the access
+hook, shape queries answered from the full shape. A gathered parameter needs none of that,
+so while its status is AVAILABLE its class is `GatheredZeroParameter`, which disables the
+dispatch exactly as `nn.Parameter` does (torch then never calls into Python). The status
+transitions switch the class with the status: `make_zero_param`, `all_to_available`,
+`all_to_released`. On a GPU, where a step's kernels are fast, a forward through a gathered
+model paid this dispatch on every operation that read a weight.
 """
 
 from __future__ import annotations
@@ -386,6 +396,7 @@ def all_to_available(
     with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
         for s, full, buffer in zip(states, fulls, buffers):
             s.param.data = full
+            s.param.__class__ = GatheredZeroParameter  # [Note: a gathered parameter skips the dispatch]
             s.full_buffer = buffer
             s.pending = None
             s.status = available
@@ -402,6 +413,7 @@ def all_to_released(states: list) -> list:
     with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
         for s in states:
             s.param.data = s.placeholder
+            s.param.__class__ = ZeroParameter
             s.full_buffer = None
             s.status = released
     return buffers
@@ -595,6 +607,13 @@ class ZeroParameter(nn.Parameter):
         return (nn.Parameter, (self.data.detach().clone(), self.requires_grad))
 
 
+class GatheredZeroParameter(ZeroParameter):
+    """A `ZeroParameter` while gathered: no Python dispatch ([Note: a gathered parameter skips
+    the dispatch]); everything else, `ds_*` attributes included, as `ZeroParameter`."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
 def is_zero_param(tensor: Any) -> bool:
     return isinstance(tensor, ZeroParameter)
 
@@ -612,6 +631,6 @@ def make_zero_param(
     `shard_out`, when given, is a zeroed `[partition_size]` tensor to hold the shard.
     """
     state = ZeroParamState(param, group, world_size, rank, remote_device, shard_out)
-    param.__class__ = ZeroParameter
+    param.__class__ = GatheredZeroParameter  # its status starts AVAILABLE
     param._zero_state = state
     return param
