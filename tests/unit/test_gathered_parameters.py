@@ -1,5 +1,6 @@
 """GatheredParameters: start()/stop() and `with` on spawned gloo groups, against plain runs."""
 
+import copy as copy_module
 import gc
 import warnings
 import weakref
@@ -135,6 +136,28 @@ class TestGatherMechanics(DistributedTest):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
             pass
         assert counter.count("broadcast") == 1  # the write-back is coalesced too
+
+    @run_at(2)
+    def test_only_a_partitioned_parameter_pays_the_dispatch(self):
+        """A gathered parameter's class disables torch-function dispatch; a partitioned one's
+        intercepts (param_state's note): the class follows the status through every change."""
+        from deepspeed.runtime.zero.param_state import GatheredZeroParameter, ZeroParameter
+
+        disabled = torch._C._disabled_torch_function_impl
+        with deepspeed.zero.Init():
+            layer = nn.Linear(4, 6)
+        weight = layer.weight
+        assert type(weight) is ZeroParameter and weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        assert type(weight).__torch_function__ is not disabled
+        gather = deepspeed.zero.GatheredParameters(weight).start()
+        assert type(weight) is GatheredZeroParameter and type(weight).__torch_function__ is disabled
+        assert isinstance(weight, ZeroParameter) and weight.ds_shape == (6, 4)
+        out = torch.nn.functional.linear(torch.ones(1, 4), weight)
+        assert type(out) is torch.Tensor and out.shape == (1, 6)
+        gather.stop()
+        assert type(weight) is ZeroParameter and weight.shape == (0,)
+        copy = copy_module.deepcopy(layer)  # a copy starts partitioned
+        assert type(copy.weight) is ZeroParameter and copy.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
 
     def test_none_duplicates_and_plain_tensors(self, monkeypatch):
         with deepspeed.zero.Init():
