@@ -326,17 +326,21 @@ def test_checkpoint_recomputes_with_equal_gradients(ckpt, monkeypatch):
 
 
 def test_rng_tracker_forks_a_separate_stream(ckpt):
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    device = accelerator.device_name()  # the tracker forks the accelerator's generator
     ckpt.model_parallel_cuda_manual_seed(123)
     tracker = ckpt.get_cuda_rng_tracker()
     with tracker.fork():
-        a = torch.rand(3)
-    outside = torch.rand(3)
+        a = torch.rand(3, device=device)
+    outside = torch.rand(3, device=device)
     ckpt.model_parallel_cuda_manual_seed(123)
     with tracker.fork():
-        b = torch.rand(3)
+        b = torch.rand(3, device=device)
     torch.testing.assert_close(a, b)
-    torch.manual_seed(123)
-    torch.testing.assert_close(outside, torch.rand(3))  # the default stream was not disturbed
+    accelerator.manual_seed(123)
+    torch.testing.assert_close(outside, torch.rand(3, device=device))  # the default stream was not disturbed
     with pytest.raises(ValueError, match="already"):
         tracker.add("other", 123 + 2718)
 
