@@ -39,20 +39,20 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.param_state import (
-    ZeroParameter,
     ZeroParamState,
     ZeroParamStatus,
     all_to_available,
     all_to_inflight,
     all_to_released,
     hold_all,
+    is_zero_param,
     unhold_all,
 )
 
 
 def zero_states(params: Iterable) -> list:
     """The states of the ZeRO parameters among `params`, de-duplicated and sorted by ds_id."""
-    seen = {(s := p._zero_state).ds_id: s for p in params if isinstance(p, ZeroParameter)}
+    seen = {(s := p._zero_state).ds_id: s for p in params if is_zero_param(p)}
     ids = list(seen)
     if ids == sorted(ids):
         return list(seen.values())  # already in order (a module's parameters usually are)

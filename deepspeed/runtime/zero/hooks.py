@@ -75,6 +75,10 @@ from deepspeed.runtime.zero.partition_parameters import external_parameters, reg
 from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
 
+def _ds_id(state: Any) -> int:
+    return state.ds_id
+
+
 def _module_states(module: nn.Module) -> list:
     own = [p for p in module._parameters.values() if p is not None and is_zero_param(p)]
     return gather.zero_states(own + external_parameters(module))
@@ -158,6 +162,11 @@ class _Prefetcher:
         self.uses: dict = {}  # ds_id -> trace positions that fetch it, ascending
         self.recording = True
         self.position = 0
+        # Trace entries before this one were examined by prefetch_next in this pass: each of
+        # their parameters was held or gathered ahead then, so the next call starts here
+        # rather than at `position` (walking the whole rest each time was quadratic in the
+        # number of submodules when the bucket spans the model).
+        self.scanned = 0
         self.held: dict = {}  # ds_id -> state the prefetcher holds
         self.held_elems = 0
         self.prefetched = 0  # parameters gathered ahead of use, for tests and benchmarks
@@ -226,9 +235,10 @@ class _Prefetcher:
         # Parameters are taken in trace order while the bucket is not yet full, so the last
         # one may overshoot it: a parameter larger than the whole bucket (a big embedding, or
         # any layer when the bucket is small) is still gathered ahead, one at a time.
-        wanted, budget = [], self.bucket_elems
-        for entry in self.trace[self.position :]:
-            for s in entry:
+        wanted, budget, trace = [], self.bucket_elems, self.trace
+        index = max(self.position, self.scanned)
+        while index < len(trace):
+            for s in trace[index]:
                 if budget <= 0:
                     break
                 if s.ds_id in self.held or s.persist:
@@ -241,9 +251,12 @@ class _Prefetcher:
                 self.held[s.ds_id] = s
                 self.held_elems += s.numel
             if budget <= 0:
-                break
+                break  # this entry may have more to gather: the next call looks at it again
+            index += 1
+        self.scanned = index
         if wanted:
-            gather.fetch_states(gather.zero_states(s.param for s in wanted), self, async_op=True)
+            wanted.sort(key=_ds_id)  # the gather's order (already so within one submodule)
+            gather.fetch_states(wanted, self, async_op=True)
             self.prefetched += len(wanted)
 
     def end_pass(self) -> None:
@@ -252,6 +265,7 @@ class _Prefetcher:
         self.held.clear()
         self.held_elems = 0
         self.position = 0
+        self.scanned = 0
 
 
 class ParameterCoordinator:
