@@ -41,7 +41,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
 )
 from deepspeed.utils import groups
 from deepspeed.utils.logging import logger
-from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules_by_granularity
+from deepspeed.utils.z3_leaf_module import apply_leaf_module_config, set_z3_leaf_modules_by_granularity
 
 
 class NoSyncError(AssertionError):
@@ -100,6 +100,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self.replicated: dict = {}  # stages 0-2: id(param) -> ReplicatedShard
         self.zero_states: list = []  # stage 3: every ZeRO parameter, by ds_id
         self.persistent: list = []  # stage 3: parameters that stay gathered
+        apply_leaf_module_config(model, zero.leaf_module)  # every stage: leaves also shape gradient reduction
         if self.partitions_weights:
             self._prepare_module()
             self._mark_fine_grained_leaves(zero.module_granularity_threshold)

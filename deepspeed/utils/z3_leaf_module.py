@@ -66,9 +66,12 @@ def _mark(module: nn.Module, flag: bool) -> None:
 
 
 def _matches(module: nn.Module, classes: list) -> bool:
+    """Whether `module` is an instance of one of `classes`: a class, or a class named by its
+    name (`"MixtralSparseMoeBlock"`) or its module path and name (as upstream matches both)."""
+    kind = type(module)
     for cls in classes:
         if isinstance(cls, str):
-            if type(module).__name__ == cls:
+            if cls in (kind.__name__, f"{kind.__module__}.{kind.__qualname__}"):
                 return True
         elif isinstance(module, cls):
             return True
@@ -215,3 +218,29 @@ def set_z3_leaf_modules_by_granularity(model: nn.Module, threshold: int) -> tupl
     if threshold > 0:
         mark(model)
     return marked, (min(values) if values else None)
+
+
+def apply_leaf_module_config(model: nn.Module, config) -> list:
+    """Mark the leaf modules `zero_optimization.leaf_module` names (`DeepSpeedZeroLeafModuleConfig`):
+    its classes, names and name suffixes; returns the marked modules. Entries that match
+    nothing are fine for the default classes (HF's MoE blocks, absent from most models) and a
+    warning otherwise, naming them, as upstream."""
+    from deepspeed.utils.logging import logger
+
+    marked = {id(m): m for m in _set_flags(model, list(config.classes), True, raise_if_not_found=False)}
+    unmatched = []
+    for keys, setter in (
+        (config.names, set_z3_leaf_modules_by_name),
+        (config.name_suffixes, set_z3_leaf_modules_by_suffix),
+    ):
+        if keys:
+            modules, missing = setter(model, list(keys), raise_if_not_found=False)
+            marked.update((id(m), m) for m in modules)
+            unmatched.extend(missing)
+    if unmatched:
+        logger.warning(f"zero_optimization.leaf_module: no module of the model matches {unmatched}")
+    if not marked and not config.is_default():
+        logger.warning(
+            "zero_optimization.leaf_module matched no module of the model; no leaf module is marked"
+        )
+    return list(marked.values())

@@ -647,3 +647,36 @@ def test_adagrad_config_builds_torch_adagrad_or_cpu_adagrad_under_offload():
     for name, offload in (("Adagrad", True), ("CPUAdagrad", False)):
         opt = build_config_optimizer(name, {"lr": 0.05, "eps": 1e-8}, groups, offload=offload)
         assert type(opt) is DeepSpeedCPUAdagrad and opt.defaults["eps"] == 1e-8
+
+
+def test_leaf_module_defaults_strings_null_and_typos():
+    """`zero_optimization.leaf_module`: upstream's default classes (HF's sparse MoE blocks), one
+    string taken as a list, null as the defaults, and a misspelt field refused by name."""
+    default = DeepSpeedZeroConfig().leaf_module
+    assert default.is_default() and len(default.classes) == 3
+    assert all(c.endswith("SparseMoeBlock") for c in default.classes)
+    assert DeepSpeedZeroConfig(leaf_module=None).leaf_module.is_default()
+    custom = DeepSpeedZeroConfig(leaf_module={"classes": "Expert", "name_suffixes": "mlp"}).leaf_module
+    assert custom.classes == ["Expert"] and custom.names == [] and custom.name_suffixes == ["mlp"]
+    assert not custom.is_default()
+    with pytest.raises(Exception, match="clases"):
+        DeepSpeedZeroConfig(leaf_module={"clases": ["Expert"]})
+
+
+def test_leaf_module_classes_match_by_name_or_module_path(caplog):
+    from torch import nn
+
+    from deepspeed.utils.z3_leaf_module import apply_leaf_module_config, z3_leaf_module
+
+    class Expert(nn.Linear):
+        pass
+
+    model = nn.Sequential(Expert(2, 2), nn.Linear(2, 2))
+    path = f"{Expert.__module__}.{Expert.__qualname__}"
+    config = DeepSpeedZeroConfig(leaf_module={"classes": [path], "names": ["1"]}).leaf_module
+    assert apply_leaf_module_config(model, config) == [model[0], model[1]]
+    assert z3_leaf_module(model[0]) and z3_leaf_module(model[1])
+    with caplog.at_level(logging.WARNING, logger="DeepSpeed"):
+        config = DeepSpeedZeroConfig(leaf_module={"names": ["missing"], "classes": []}).leaf_module
+        assert apply_leaf_module_config(nn.Sequential(nn.Linear(2, 2)), config) == []
+    assert "['missing']" in caplog.text and "matched no module" in caplog.text

@@ -360,6 +360,30 @@ def llama() -> nn.Module:
     return tf.LlamaForCausalLM(cfg)
 
 
+def mixtral() -> nn.Module:
+    """A sparse mixture of experts: each token's router picks 2 of 4 experts, so each rank's
+    data reaches experts the other's may not. Its MoE block is a leaf module by default."""
+    tf = _quiet_transformers()
+    cfg = tf.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        intermediate_size=2 * WIDTH,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.0,
+        max_position_embeddings=32,
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    return tf.MixtralForCausalLM(cfg)
+
+
 def bert_mlm() -> nn.Module:
     tf = _quiet_transformers()
     cfg = tf.BertConfig(

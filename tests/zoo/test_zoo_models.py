@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepspeed.runtime.zero.partition_parameters import external_parameters
+from deepspeed.utils import get_z3_leaf_modules
 from tests.unit.common import DistributedTest, fit_world_size
 from tests.zoo import models as zm
 from tests.zoo.harness import Case, build, check_parity, gathered
@@ -52,6 +53,28 @@ class TestZooModels(DistributedTest):
     @ALL_STAGES
     def test_llama(self, stage):
         check_parity(Case("llama", zm.llama, zm.token_batch, zm.hf_causal_loss, stage=stage))
+
+    @ALL_STAGES
+    def test_mixtral_moe_blocks_are_leaves_by_default(self, stage):
+        """As upstream, `zero_optimization.leaf_module` defaults to HF's sparse MoE block classes:
+        each block is fetched (stage 3) and its gradients reduced as one unit."""
+        got, _ = check_parity(Case("mixtral", zm.mixtral, zm.token_batch, zm.hf_causal_loss, stage=stage))
+        leaves = get_z3_leaf_modules(got.model)
+        assert [type(m).__name__ for m in leaves] == ["MixtralSparseMoeBlock"] * 2
+
+    def test_leaf_module_config_by_name_and_suffix(self):
+        """Configured names and suffixes mark those modules (the default classes still apply)."""
+        extra = {
+            "zero_optimization": {
+                "leaf_module": {"names": ["model.layers.0.self_attn"], "name_suffixes": "mlp"}
+            }
+        }
+        got, _ = check_parity(
+            Case("mixtral_named_leaves", zm.mixtral, zm.token_batch, zm.hf_causal_loss, config_extra=extra)
+        )
+        names = {id(m): n for n, m in got.model.named_modules()}
+        marked = sorted(names[id(m)] for m in get_z3_leaf_modules(got.model))
+        assert marked == ["model.layers.0.mlp", "model.layers.0.self_attn", "model.layers.1.mlp"]
 
     @ALL_STAGES
     def test_llama_gradient_checkpointing(self, stage):

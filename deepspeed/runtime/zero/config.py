@@ -60,6 +60,39 @@ def _refuse(what: str, instead: str) -> Unsupported:
     return Unsupported(f"{what}: not implemented here; {instead}")
 
 
+# Upstream's defaults: HF's sparse mixture-of-experts blocks, whose experts run by the
+# router's choice, are leaf modules unless the config says otherwise.
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+class DeepSpeedZeroLeafModuleConfig(DeepSpeedConfigModel):
+    """`zero_optimization.leaf_module`: modules the engine marks as leaf modules at initialize
+    (utils/z3_leaf_module.py's note), by class (its name, or module path and name), by name in
+    `named_modules()`, or by the end of that name. A single string is taken as a list of one.
+    Leaf marks matter at stage 3 (one gather per leaf) and at every stage for gradients
+    (a leaf's unused parameters reduce as zeros)."""
+
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: list[str] = Field(default_factory=list)
+    name_suffixes: list[str] = Field(default_factory=list)
+
+    @field_validator("classes", "names", "name_suffixes", mode="before")
+    @classmethod
+    def _one_string_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    def is_default(self) -> bool:
+        return (
+            list(self.classes) == list(DEFAULT_LEAF_MODULE_CLASSES)
+            and not self.names
+            and not self.name_suffixes
+        )
+
+
 class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """`zero_optimization`: which ZeRO stage to run and how it buckets, prefetches and offloads."""
 
@@ -100,10 +133,6 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         "pipeline_loading_checkpoint": _refuse("pipeline-parallel checkpoint loading", "set it to false"),
         "log_trace_cache_warnings": _refuse("trace-cache warnings", "set it to false"),
         "save_muon_momentum_buffer_in_memory": _refuse("Muon NVMe offload options", "set it to false"),
-        "leaf_module": _refuse(
-            "fetching a module's subtree as one unit (leaf modules)",
-            "remove the key; the prefetcher fetches what each module's forward uses",
-        ),
         "zenflow": _refuse("ZenFlow", "remove the key"),
     }
     _no_effect: ClassVar[dict[str, str]] = {
@@ -241,8 +270,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     save_muon_momentum_buffer_in_memory: bool = False
     """Upstream Muon + NVMe option; true is refused."""
 
-    leaf_module: Optional[dict[str, Any]] = None
-    """Stage 3: modules fetched as one unit (upstream ``classes`` / ``names``); free-form."""
+    leaf_module: DeepSpeedZeroLeafModuleConfig = Field(default_factory=DeepSpeedZeroLeafModuleConfig)
+    """Modules marked as ZeRO-3 leaf modules at initialize (`DeepSpeedZeroLeafModuleConfig`)."""
 
     zenflow: Optional[dict[str, Any]] = None
     """Upstream ZenFlow settings; refused unless absent."""
@@ -267,6 +296,11 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         for key in blocks:
             data[key] = {"pin_memory": bool(pin), **data[key]}  # an explicit pin_memory wins
         return data
+
+    @field_validator("leaf_module", mode="before")
+    @classmethod
+    def _null_leaf_module_is_the_default(cls, value: Any) -> Any:
+        return {} if value is None else value  # as upstream: `"leaf_module": null` keeps the defaults
 
     @field_validator("overlap_comm", mode="after")
     @classmethod
