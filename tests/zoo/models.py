@@ -340,48 +340,34 @@ def gpt2(**overrides) -> nn.Module:
     return tf.GPT2LMHeadModel(tf.GPT2Config(**cfg))
 
 
+# The tiny Llama-family decoder shape both llama() and mixtral() build from.
+_LLAMA_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=WIDTH,
+    intermediate_size=2 * WIDTH,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=32,
+    attention_dropout=0.0,
+    bos_token_id=1,
+    eos_token_id=1,
+    pad_token_id=0,
+    attn_implementation="eager",
+)
+
+
 def llama() -> nn.Module:
     tf = _quiet_transformers()
-    cfg = tf.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=WIDTH,
-        intermediate_size=2 * WIDTH,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        attention_dropout=0.0,
-        bos_token_id=1,
-        eos_token_id=1,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-    return tf.LlamaForCausalLM(cfg)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**_LLAMA_SHAPE, tie_word_embeddings=True))
 
 
 def mixtral() -> nn.Module:
     """A sparse mixture of experts: each token's router picks 2 of 4 experts, so each rank's
     data reaches experts the other's may not. Its MoE block is a leaf module by default."""
     tf = _quiet_transformers()
-    cfg = tf.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=WIDTH,
-        intermediate_size=2 * WIDTH,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        router_aux_loss_coef=0.0,
-        max_position_embeddings=32,
-        attention_dropout=0.0,
-        bos_token_id=1,
-        eos_token_id=1,
-        pad_token_id=0,
-        attn_implementation="eager",
-    )
-    return tf.MixtralForCausalLM(cfg)
+    experts = dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0)
+    return tf.MixtralForCausalLM(tf.MixtralConfig(**_LLAMA_SHAPE, **experts))
 
 
 def bert_mlm() -> nn.Module:
