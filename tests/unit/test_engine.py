@@ -391,8 +391,9 @@ class TestEngineFeatures(DistributedTest):
     @pytest.mark.parametrize("stage", [2, 3])
     def test_offloaded_gradients_land_in_kept_buffers(self, stage):
         """Optimizer offload as on a GPU (pinned masters, here forced on the CPU, where pinning
-        means nothing): each master's gradient lands in one buffer kept across steps, the copies
-        are settled by the end of backward, and training with accumulation matches torch."""
+        means nothing): each master's gradient lands in one buffer kept across steps, the next
+        micro-step's slice in a second one added when the copies settle at the end of backward,
+        and training with accumulation matches torch."""
         data = batches(3)
         reference, ref_losses = reference_run(data)
         seen, settles = [], []
@@ -411,7 +412,9 @@ class TestEngineFeatures(DistributedTest):
 
             def step():
                 assert not optimizer._host_grads_in_flight  # nothing read before it landed
-                seen.append({ds_id: buf.data_ptr() for ds_id, buf in optimizer._host_grads.items()})
+                assert not optimizer._pending_adds  # the second micro-step's slices were added
+                kept = [("grad", optimizer._host_grads), ("staging", optimizer._host_staging)]
+                seen.append({(kind, i): b.data_ptr() for kind, buffers in kept for i, b in buffers.items()})
                 grads = {ds_id: m.grad for ds_id, m in optimizer.masters.items()}
                 assert all(grads[i] is optimizer._host_grads[i] for i in optimizer._host_grads)
                 return original_step()
@@ -424,8 +427,18 @@ class TestEngineFeatures(DistributedTest):
         )
         assert_parity(engine, losses, reference, ref_losses)
         assert len(seen) == 3 and seen[0] and seen[0] == seen[1] == seen[2]  # the same buffers every step
-        assert len(seen[0]) == len(engine.optimizer.masters)
+        assert len(seen[0]) == 2 * len(engine.optimizer.masters)  # a gradient and a staging buffer each
         assert settles and any(settles)  # backward ended with copies to settle
+        # Three slices for one master before a settle: each reuse of the staging buffer
+        # settles the slice before it first, so none is lost.
+        optimizer = engine.optimizer
+        state = optimizer.states[0]
+        master = optimizer.masters[state.ds_id]
+        master.grad = torch.zeros_like(master)
+        for _ in range(3):
+            optimizer.accumulate_grad(state, torch.ones(master.numel()), 0.5)
+        optimizer.settle_gradients()
+        assert torch.equal(master.grad, torch.full_like(master, 1.5))
 
     def test_bf16_tracks_fp32(self):
         data = batches(6, seed=3)

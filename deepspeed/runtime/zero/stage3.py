@@ -31,8 +31,10 @@ behind backward on the current stream, so they overlap the rest of backward inst
 stalling it once per parameter, as a blocking `.to("cpu")` did (on an H200 that was 274 of a
 466 ms GPT-2-small step). Nothing on the host may read those buffers before they landed:
 the reducer calls `settle_gradients()` when the last bucket of a backward is accumulated,
-which waits for the device once. A second slice for the same master (gradient
-accumulation) is added on the host after a blocking copy, which also waits for the first.
+which waits for the device once. A later slice for a master that already has a gradient
+(the next micro-step of gradient accumulation) lands the same way in a second pinned buffer,
+also kept, and `settle_gradients()` adds it to the gradient once it landed; a third slice
+for the same master before that settles the first two.
 """
 
 from __future__ import annotations
@@ -228,6 +230,10 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         # and whether copies into them may still be in flight (see the note above).
         self._host_grads: dict = {}
         self._host_grads_in_flight = False
+        # ds_id -> pinned fp32 buffer a later slice lands in (gradient accumulation), and the
+        # (gradient, landed slice) pairs settle_gradients() adds once they landed.
+        self._host_staging: dict = {}
+        self._pending_adds: dict = {}
         # param -> the object that owns its shard: a ZeroParamState (stage 3, the default) or
         # a ReplicatedShard (stages 0-2, see stage_1_and_2.py); None for no shard.
         self.state_of = state_of or _zero_state_of
@@ -331,10 +337,10 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         # [Note: the same gradients on every rank]: the order of reductions, as a rolling hash.
         self._reduced_order = (self._reduced_order * 1_000_003 + _id_hash(state.ds_id)) % _SIGNATURE_MODULUS
         master = self.masters[state.ds_id]
+        if self.pin_masters:
+            self._land_on_host(state.ds_id, master, reduced, alpha)
+            return
         if master.grad is None:
-            if self.pin_masters:
-                self._land_on_host(state.ds_id, master, reduced, alpha)
-                return
             if reduced.dtype == torch.float32 and reduced.device == master.device:
                 master.grad = reduced.mul_(alpha) if alpha != 1.0 else reduced
                 return
@@ -345,25 +351,38 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         master.grad.add_(reduced.to(device=master.device, dtype=torch.float32), alpha=alpha)
 
     def _land_on_host(self, ds_id: int, master: nn.Parameter, reduced: torch.Tensor, alpha: float) -> None:
-        """An offloaded master's first gradient slice of a step: scaled where it was reduced, then
-        copied without blocking into the master's pinned buffer ([Note: offloaded gradients land
-        asynchronously]); `settle_gradients()` waits for it."""
-        buffer = self._host_grads.get(ds_id)
+        """An offloaded master's gradient slice: scaled where it was reduced, then copied without
+        blocking into a pinned buffer, the gradient itself for the first slice of a step, else a
+        staging buffer added at the next settle ([Note: offloaded gradients land asynchronously])."""
+        if master.grad is None:
+            buffers = self._host_grads
+        else:
+            if ds_id in self._pending_adds:
+                self.settle_gradients()  # its staging buffer is about to be reused
+            buffers = self._host_staging
+        buffer = buffers.get(ds_id)
         if buffer is None or buffer.shape != master.shape:
-            buffer = self._host_grads[ds_id] = get_accelerator().pin_memory(torch.empty_like(master))
+            buffer = buffers[ds_id] = get_accelerator().pin_memory(torch.empty_like(master))
         scaled = reduced.to(torch.float32)  # the reducer's view, which this may keep or change
         if alpha != 1.0:
             scaled = scaled.mul_(alpha)
         buffer.copy_(scaled, non_blocking=True)
-        master.grad = buffer
+        if master.grad is None:
+            master.grad = buffer
+        else:
+            self._pending_adds[ds_id] = (master.grad, buffer)
         self._host_grads_in_flight = True
 
     def settle_gradients(self) -> None:
-        """Wait until every gradient copied to the host without blocking has landed (the reducer
-        calls this at the end of each backward's reduction)."""
-        if self._host_grads_in_flight:
-            get_accelerator().synchronize()
-            self._host_grads_in_flight = False
+        """Wait until every gradient slice copied to the host without blocking has landed, then
+        add the staged ones (the reducer calls this at the end of each backward's reduction)."""
+        if not self._host_grads_in_flight:
+            return
+        get_accelerator().synchronize()
+        self._host_grads_in_flight = False
+        for grad, landed in self._pending_adds.values():
+            grad.add_(landed)
+        self._pending_adds.clear()
 
     @property
     def param_groups(self) -> list:
