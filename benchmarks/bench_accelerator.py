@@ -11,7 +11,8 @@ fast, where Python overhead and host-device copies weigh more than on the CPU. A
 backend, the optimizer on its partition, offload copies).
 
 The model is `_train_workers.Decoder` at GPT-2 small's shape (124M parameters, tied head),
-sequence 1024, 8 sequences a step, AdamW (lr 1e-3). Implementations, run one after the other
+sequence 1024, 8 sequences a micro-step (`--gas N`: N micro-steps a step, the same batch each),
+AdamW (lr 1e-3). Implementations, run one after the other
 in one process with the same initial weights and batches:
   plain        torch: the model, torch.optim.AdamW; bf16 runs under autocast with fp32 weights
   z1, z2, z3   ours at stage 1, 2, 3 (torch AdamW through `"torch_adam": true`)
@@ -70,10 +71,13 @@ def _plain(spec: dict, device: torch.device):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     autocast = spec["dtype"] == "bf16"
 
+    gas = spec["gas"]
+
     def step(x, y):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(x, y)
-        loss.backward()
+        for _ in range(gas):  # the same batch each micro-step: what is timed is the engine
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(x, y)
+            (loss / gas).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -87,14 +91,16 @@ def _ours(spec: dict, impl: str):
     stage = int(impl[1])
     offload = impl.endswith("_off")
     cfg = ds_config(spec, stage=stage, offload=offload)
+    cfg["gradient_accumulation_steps"] = spec["gas"]
     if offload and stage == 3:
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     engine, _, _, _ = deepspeed.initialize(model=build_model(spec), config=cfg)
 
     def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
+        for _ in range(spec["gas"]):  # engine.step() steps the optimizer at the last one
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
         return loss
 
     return step, engine
@@ -179,12 +185,13 @@ def run(opts) -> dict:
         "backend": accel.communication_backend_name(),
         "torch": torch.__version__,
         "spec": sizes,
+        "gradient_accumulation_steps": opts.gas,
         "steps": opts.steps,
         "warmup": opts.warmup,
         "cases": {},
     }
     for dtype in opts.dtypes.split(","):
-        spec = dict(sizes, **ZERO_SIZES, dtype=dtype)
+        spec = dict(sizes, **ZERO_SIZES, dtype=dtype, gas=opts.gas)
         cases: dict = {}
         for impl in opts.impls.split(","):
             try:
@@ -212,6 +219,7 @@ def run(opts) -> dict:
 def table(report: dict) -> str:
     lines = [
         f"{report['device']}, {report['backend']}, torch {report['torch']}, world size 1, "
+        f"{report['gradient_accumulation_steps']} micro-step(s) a step, "
         f"median of {report['steps']} steps after {report['warmup']}",
         "",
         "| dtype | impl | step ms | / plain | peak GiB | between steps GiB | loss rel diff vs plain |",
@@ -237,6 +245,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny stand-in model, a smoke run")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of: " + ", ".join(IMPLS))
+    parser.add_argument(
+        "--gas", type=int, default=1, help="micro-steps per optimizer step (gradient accumulation)"
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile", default="", help="comma list of dtype:impl to profile, e.g. bf16:z3")
