@@ -399,9 +399,9 @@ def release_unheld(states: list) -> None:
     A run whose last gathered parameter this was goes back to `FULLS`. Every release goes
     through here, so no `full_buffer` outlives its parameters' gathered data.
     """
+    if not states:
+        return  # the usual case when a prefetched hold is handed to the submodule that uses it
     buffers = all_to_released(states)
-    if not buffers:
-        return
     first = buffers[0]
     if first is not None and first.live == len(buffers) and buffers.count(first) == len(buffers):
         first.live = 0  # the common case: one whole run released together
