@@ -18,6 +18,8 @@ in one process with the same initial weights and batches:
   z1, z2, z3   ours at stage 1, 2, 3 (torch AdamW through `"torch_adam": true`)
   z2_off       ours at stage 2 with `offload_optimizer: {device: cpu}` (DeepSpeedCPUAdam)
   z3_off       ours at stage 3 with the optimizer and the parameters offloaded to the CPU
+  z3_leaf      ours at stage 3 with each decoder block a leaf module (`zero_optimization.leaf_module:
+               {classes: [Block]}`): one gather and one release per block instead of per layer
 Each reports the median step time (synchronized), the peak and the between-step device
 memory, and its losses over the first steps, whose largest relative difference from plain's
 is the parity figure (fp32: the same kernels, so it should be near rounding; bf16: ours keeps
@@ -53,7 +55,7 @@ ZERO_SIZES = dict(
     persistence_threshold=100_000,
     allgather_bucket_size=50_000_000,
 )
-IMPLS = ("plain", "z1", "z2", "z3", "z2_off", "z3_off")
+IMPLS = ("plain", "z1", "z2", "z3", "z2_off", "z3_off", "z3_leaf")
 PARITY_STEPS = 3
 
 
@@ -92,6 +94,8 @@ def _ours(spec: dict, impl: str):
     offload = impl.endswith("_off")
     cfg = ds_config(spec, stage=stage, offload=offload)
     cfg["gradient_accumulation_steps"] = spec["gas"]
+    if impl.endswith("_leaf"):
+        cfg["zero_optimization"]["leaf_module"] = {"classes": ["Block"]}
     if offload and stage == 3:
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     engine, _, _, _ = deepspeed.initialize(model=build_model(spec), config=cfg)

@@ -61,7 +61,7 @@ def test_bench_accelerator_quick(tmp_path):
     assert "| fp32 | z3_off |" in out and "| bf16 | z2 |" in out, out
     report = json.loads((tmp_path / "acc.json").read_text())
     for dtype, cases in report["cases"].items():
-        assert set(cases) == {"plain", "z1", "z2", "z3", "z2_off", "z3_off"}, cases
+        assert set(cases) == {"plain", "z1", "z2", "z3", "z2_off", "z3_off", "z3_leaf"}, cases
         for impl, entry in cases.items():
             assert "error" not in entry, (dtype, impl, entry)
             if impl != "plain":
