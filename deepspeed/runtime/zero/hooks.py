@@ -63,6 +63,7 @@ reduced as one unit (leaf_grads.py).
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Optional
 
 import torch
@@ -178,10 +179,11 @@ class _Prefetcher:
         if self.recording:
             self.trace.append(states)
             return
-        ids = [s.ds_id for s in states]
         # Resync on the next trace entry that matches; a strayed pass just prefetches nothing.
+        # Entries hold the same state objects pass after pass, and a state has no __eq__, so
+        # list equality compares identities: the ds_ids, without building lists of them.
         for offset in range(self.position, len(self.trace)):
-            if [s.ds_id for s in self.trace[offset]] == ids:
+            if self.trace[offset] == states:
                 self.position = offset + 1
                 return
 
@@ -205,7 +207,9 @@ class _Prefetcher:
         here = self.elems_before[self.position] if self.position < len(self.trace) else None
         free = []
         for s in states:
-            later = next((i for i in self.uses.get(s.ds_id, ()) if i >= self.position), None)
+            uses = self.uses.get(s.ds_id, ())  # ascending trace positions
+            after = bisect.bisect_left(uses, self.position)
+            later = uses[after] if after < len(uses) else None
             fits = self.held_elems + s.numel <= self.max_live_elems and s.ds_id not in self.held
             if (
                 here is None
