@@ -247,17 +247,30 @@ def destroy_process_group(group: Optional[ProcessGroup] = None) -> None:
         _dist.destroy_process_group(group)
 
 
-def get_rank(group: Optional[ProcessGroup] = None) -> int:
-    """This process's rank in `group` (0 when torch.distributed is not initialized)."""
+def _require_initialized(call: str) -> None:
+    """Raise unless the default group exists, as upstream does.
+
+    Answering rank 0 / world size 1 before `init_distributed` would be a silent lie under a
+    launcher: every process would take the `rank == 0` branch (write the checkpoint, download
+    the data) while believing itself alone.
+    """
     if not is_initialized():
-        return 0
+        raise RuntimeError(
+            f"deepspeed.comm.{call}() was called before the process group exists; call "
+            "deepspeed.init_distributed() (or deepspeed.initialize, which calls it) first, or check "
+            "deepspeed.comm.is_initialized() before asking"
+        )
+
+
+def get_rank(group: Optional[ProcessGroup] = None) -> int:
+    """This process's rank in `group`; raises before `init_distributed` (see `_require_initialized`)."""
+    _require_initialized("get_rank")
     return _dist.get_rank(group)
 
 
 def get_world_size(group: Optional[ProcessGroup] = None) -> int:
-    """The size of `group` (1 when torch.distributed is not initialized)."""
-    if not is_initialized():
-        return 1
+    """The size of `group`; raises before `init_distributed` (see `_require_initialized`)."""
+    _require_initialized("get_world_size")
     return _dist.get_world_size(group)
 
 

@@ -478,6 +478,15 @@ def test_single_process_init_without_env(monkeypatch):
     assert out.stdout.split() == ["0", "1"]
 
 
+@pytest.mark.parametrize("call", ["get_rank", "get_world_size"])
+def test_rank_queries_before_init_raise(monkeypatch, call):
+    """Before the group exists the answer would be a guess (every launched process would think
+    it is rank 0 of 1): raise, naming the fix, as upstream does."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match=rf"deepspeed.comm.{call}\(\) was called before .*init_distributed"):
+        getattr(dist, call)()
+
+
 def test_init_distributed_rejects_half_env(monkeypatch):
     # Another test in this process may have left a single-rank group up, which init_distributed
     # would wrap as it is; the check under test runs on the way to making one.
