@@ -92,6 +92,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._inside_backward = False  # engine.backward is running autograd
         self._stray_grads: list = []  # params whose gradients came from a backward outside it
         self._inside_no_sync = False  # see no_sync()
+        # Upstream's switch: False leaves stages 0-1's gradients unreduced after backward, for
+        # the caller to reduce with allreduce_gradients() (see there).
+        self.enable_backward_allreduce = True
         self._is_compiled = False  # see compile()
         zero = self._config.zero_config
         # Stages 0-2 keep full parameters (stage_1_and_2.py's note); stage 3 partitions them.
@@ -431,6 +434,12 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 "engine.backward() needs an optimizer; pass one to deepspeed.initialize or the config"
             )
         self._refuse_stray_grads("engine.backward()")
+        if not self.enable_backward_allreduce and self.zero_optimization_partition_gradients():
+            raise RuntimeError(
+                f"engine.enable_backward_allreduce=False leaves gradients unreduced for allreduce_gradients(), "
+                f"but ZeRO stage {self.zero_optimization_stage()} reduce-scatters each gradient while backward "
+                "runs; set it back to True, or use stage 0 or 1"
+            )
         scaled = loss.float() * self.optimizer.loss_scale
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
@@ -445,18 +454,41 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         if self.zero_optimization_partition_gradients():
             self.leaf_grads.flush(self.reducer)
         self.reducer.flush()
-        if (
-            not self.zero_optimization_partition_gradients()
-            and self.is_gradient_accumulation_boundary()
-            and not self._inside_no_sync
-        ):
-            # Stages 0-1 reduce after the boundary's backward, as upstream's stage 1: whole
-            # gradients are replicated until then anyway, and on shared memory the ranks then
-            # meet back to back instead of once per bucket inside backward, each meeting paying
-            # the ranks' drift since the last one (1-3% of the decoder's step, measured side
-            # by side). Between backward and step they sit in the gradient shards as at stages 2-3.
-            reduce_accumulated_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
+        if self.enable_backward_allreduce and not self._inside_no_sync:
+            self.allreduce_gradients()
         return loss
+
+    def allreduce_gradients(self, bucket_size: Optional[int] = None) -> None:
+        """Reduce the gradients backward left unreduced (upstream's name; each rank then holds
+        the average over ranks in its gradient shards, which step() applies).
+
+        Stages 0-1 reduce after the boundary's backward, as upstream's stage 1: whole gradients
+        are replicated until then anyway, and on shared memory the ranks then meet back to back
+        instead of once per bucket inside backward, each meeting paying the ranks' drift since
+        the last one (1-3% of the decoder's step, measured side by side). engine.backward calls
+        this unless `enable_backward_allreduce` is False or inside `no_sync()`; a caller that
+        turned it off (to edit or inspect each rank's own gradients first) calls it before
+        step(), and step() reduces whatever is still unreduced at the boundary, so no gradient
+        is stepped on unreduced. Off the boundary it does nothing: the gradients keep
+        accumulating, unreduced. `bucket_size`: elements per collective for this reduction
+        (default `reduce_bucket_size`). Stages 2-3 reduce inside backward, as autograd
+        produces each gradient, so nothing is left for this to do there.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("engine.allreduce_gradients() needs an optimizer: it reduces into its gradient shards")
+        if bucket_size is not None and (
+            not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1
+        ):
+            raise ValueError(f"allreduce_gradients: bucket_size={bucket_size!r} must be a positive int")
+        if self.zero_optimization_partition_gradients() or not self.is_gradient_accumulation_boundary():
+            return
+        configured = self.reducer.bucket_elems
+        if bucket_size is not None:
+            self.reducer.bucket_elems = bucket_size
+        try:
+            reduce_accumulated_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
+        finally:
+            self.reducer.bucket_elems = configured
 
     def _refuse_stray_grads(self, where: str) -> None:
         """Raise if a backward other than engine.backward produced gradients of our parameters.

@@ -242,6 +242,61 @@ class TestOptimizerSemantics(DistributedTest):
             with engine.no_sync():
                 pass
 
+    def test_backward_without_allreduce_then_allreduce_gradients(self):
+        """Stages 0-1 with `enable_backward_allreduce = False`: backward leaves each rank's own
+        gradient in param.grad; the caller may edit it (here: doubles it, as plain PyTorch
+        does with its loss) and reduces it with `allreduce_gradients()`, with a bucket size
+        of its own. A caller that forgets the call still steps on reduced gradients: step()
+        reduces at the boundary. Stages 2-3, which reduce inside backward, refuse the switch."""
+        data = batches(4, seed=33)
+        reference = build()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+        ref_losses = []
+        for ids, labels in data:
+            ref_opt.zero_grad()
+            loss = reference(ids, labels)
+            (2 * loss).backward()
+            ref_opt.step()
+            ref_losses.append(loss.item())
+        sgd = {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}}
+        for stage in (0, 1):
+            for call_it in (True, False):
+                model = build()
+                config = base_config(optimizer=sgd)
+                config["zero_optimization"]["stage"] = stage
+                engine, *_ = deepspeed.initialize(model=model, config=config)
+                engine.enable_backward_allreduce = False
+                losses = []
+                for step, (ids, labels) in enumerate(data):
+                    calls = engine.reducer.reduce_calls
+                    loss = engine(my_slice(ids), my_slice(labels))
+                    engine.backward(loss)
+                    assert engine.reducer.reduce_calls == calls, (stage, step)  # nothing sent yet
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.grad.mul_(2)  # this rank's own gradient, before any reduction
+                    if call_it:
+                        # One element per bucket: a collective per parameter, as asked.
+                        engine.allreduce_gradients(bucket_size=1)
+                        assert engine.reducer.reduce_calls - calls == len(list(model.parameters()))
+                        engine.allreduce_gradients()  # nothing left: sends nothing
+                        assert engine.reducer.reduce_calls - calls == len(list(model.parameters()))
+                    engine.step()
+                    assert engine.reducer.reduce_calls > calls, (stage, call_it)
+                    total = loss.detach().clone()
+                    dist.all_reduce(total)
+                    losses.append(total.item() / dist.get_world_size())
+                assert_parity(model, losses, reference, ref_losses)
+                with pytest.raises(ValueError, match="bucket_size=0 must be a positive int"):
+                    engine.allreduce_gradients(bucket_size=0)
+        config = base_config(optimizer=sgd)
+        config["zero_optimization"]["stage"] = 2
+        engine, *_ = deepspeed.initialize(model=build(), config=config)
+        engine.enable_backward_allreduce = False
+        ids, labels = data[0]
+        with pytest.raises(RuntimeError, match="enable_backward_allreduce=False .* ZeRO stage 2"):
+            engine.backward(engine(my_slice(ids), my_slice(labels)))
+
     def test_bf16_whole_gradients_accumulate_in_fp32(self):
         """Stages 0-1 in bf16: the unreduced gradients of micro-steps before the boundary are
         summed in fp32 (they were summed in bf16 in param.grad, off by 0.5% of the largest
