@@ -475,7 +475,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         produces each gradient, so nothing is left for this to do there.
         """
         if self.optimizer is None:
-            raise RuntimeError("engine.allreduce_gradients() needs an optimizer: it reduces into its gradient shards")
+            raise RuntimeError(
+                "engine.allreduce_gradients() needs an optimizer: it reduces into its gradient shards"
+            )
         if bucket_size is not None and (
             not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1
         ):

@@ -483,7 +483,9 @@ def test_rank_queries_before_init_raise(monkeypatch, call):
     """Before the group exists the answer would be a guess (every launched process would think
     it is rank 0 of 1): raise, naming the fix, as upstream does."""
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
-    with pytest.raises(RuntimeError, match=rf"deepspeed.comm.{call}\(\) was called before .*init_distributed"):
+    with pytest.raises(
+        RuntimeError, match=rf"deepspeed.comm.{call}\(\) was called before .*init_distributed"
+    ):
         getattr(dist, call)()
 
 
