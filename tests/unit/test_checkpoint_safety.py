@@ -372,3 +372,27 @@ class TestEngineLoad(DistributedTest):
         assert engine.load_checkpoint(root, tag="custom", trust_checkpoint=True)[1]["hyper"].width == 8
         monkeypatch.setenv(checkpoint_io.TRUST_ENV, "1")  # for clients that call load_checkpoint themselves
         assert engine.load_checkpoint(root, tag="custom")[1]["hyper"].width == 8
+        monkeypatch.delenv(checkpoint_io.TRUST_ENV)
+
+        # numpy values: an array or scalar names numpy.dtype, whose instances are of classes
+        # (numpy.dtypes.Int64DType) the file never names; trusted, they load as saved.
+        import numpy as np
+
+        rng = np.random.RandomState(3).get_state()
+        numbers = {"arr": np.arange(3), "scalar": np.float64(1.5), "count": np.int64(7), "rng": rng}
+        with captured_warnings() as warned:
+            engine.save_checkpoint(root, tag="numpy", client_state=numbers)
+        if dist.get_rank() == 0:
+            assert "numpy" in warned.getvalue(), warned.getvalue()
+        with pytest.raises(UnsafeCheckpointError, match="numpy"):
+            engine.load_checkpoint(root, tag="numpy")
+        for opt_in in ("argument", "environment"):
+            if opt_in == "environment":
+                monkeypatch.setenv(checkpoint_io.TRUST_ENV, "1")
+            got = engine.load_checkpoint(root, tag="numpy", trust_checkpoint=opt_in == "argument")[1]
+            assert np.array_equal(got["arr"], numbers["arr"]) and got["arr"].dtype == np.int64, opt_in
+            assert got["scalar"] == 1.5 and type(got["scalar"]) is np.float64, opt_in
+            assert got["count"] == 7 and type(got["count"]) is np.int64, opt_in
+            assert got["rng"][0] == rng[0] and np.array_equal(got["rng"][1], rng[1]), opt_in
+        monkeypatch.delenv(checkpoint_io.TRUST_ENV)
+        assert zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(root, tag="numpy", trust_checkpoint=True)

@@ -78,8 +78,9 @@ clients such as Lightning that call `load_checkpoint` themselves). Opted in, the
 scan found are imported and allowlisted for that one load: the file is trusted, so the
 classes and functions it names run (a `subprocess.call` too). It still goes through torch's
 restricted unpickler, which reads only the pickle instructions `torch.save` writes and refuses
-the modules torch blocks outright (`os`, `posix`, `nt`, `sys`) even then. Upstream's class
-paths still map to the stand-ins.
+the modules torch blocks outright (`os`, `posix`, `nt`, `sys`) even then; the classes it
+builds objects of without the file naming them (numpy's dtypes) are allowed with what names
+them (`_classes_built_unnamed`). Upstream's class paths still map to the stand-ins.
 """
 
 from __future__ import annotations
@@ -316,6 +317,25 @@ def refused_globals(path: str) -> list:
         return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
 
 
+def _classes_built_unnamed(refused: list) -> list:
+    """Classes a trusted file's objects can have without its pickle naming them.
+
+    The restricted unpickler builds state only into instances of allowlisted classes, and
+    the scan sees only the names the pickle holds. A numpy array or scalar names
+    `numpy.dtype`, whose call returns an instance of a subclass (`numpy.dtypes.Int64DType`)
+    the file never names; without these, a trusted load of client state holding
+    `np.arange(3)` or `np.random.get_state()` was refused after all.
+    """
+    if not any(name.startswith("numpy") for name in refused):
+        return []
+    import numpy
+
+    dtypes = getattr(numpy, "dtypes", None)  # numpy >= 1.25; older dtypes are numpy.dtype itself
+    if dtypes is None:
+        return []
+    return [cls for cls in vars(dtypes).values() if isinstance(cls, type) and issubclass(cls, numpy.dtype)]
+
+
 def _refusal(path: str, refused: list) -> UnsafeCheckpointError:
     names = ", ".join(refused[:8]) + (f" and {len(refused) - 8} more" if len(refused) > 8 else "")
     return UnsafeCheckpointError(
@@ -385,7 +405,7 @@ def load_checkpoint_file(path: str, trust: bool = False) -> Any:
         refused = []  # not a complete torch.save archive: torch.load below says what is wrong
     if refused and not trusted:
         raise _refusal(path, refused)
-    allow += [_resolve_global(name) for name in refused]
+    allow += [_resolve_global(name) for name in refused] + _classes_built_unnamed(refused)
     try:
         with torch.serialization.safe_globals(allow):
             obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
