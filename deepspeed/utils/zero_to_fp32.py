@@ -1,7 +1,8 @@
 """Consolidate a sharded ZeRO-3 checkpoint into one fp32 state dict; needs no process group.
 
     zero_to_fp32 CHECKPOINT_DIR OUTPUT [-t TAG] [--safe_serialization] [--max_shard_size 5GB]
-                 [--exclude_frozen_parameters] [--trust_checkpoint]
+                 [--exclude_frozen_parameters] [--dtype float32|float16|bfloat16] [-d]
+                 [--trust_checkpoint]
 
 CHECKPOINT_DIR is the folder given to `engine.save_checkpoint` (it holds `latest` and a
 folder per tag; a tag folder itself is accepted too). OUTPUT is either a file name ending
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import logging
 import os
 import re
 import sys
@@ -48,9 +50,12 @@ from deepspeed.runtime.zero.checkpoint_io import (
     model_states_name,
     read_latest,
 )
+from deepspeed.utils.logging import logger
 
 __all__ = [
+    "LazyFullTensor",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "convert_zero_checkpoint_to_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "get_model_state_file",
     "get_model_state_files",
@@ -130,26 +135,74 @@ def _progress(items: list) -> list:
     return tqdm(items, desc="Consolidating parameters", unit="param", disable=not sys.stderr.isatty())
 
 
+class LazyFullTensor:
+    """One parameter of a checkpoint, put together from its shards only when asked.
+
+    What `get_fp32_state_dict_from_zero_checkpoint(..., lazy_mode=True)` maps names to:
+    `shape` and `dtype` (fp32) answer at once; `contiguous()` returns the whole fp32 tensor,
+    built from the memory-mapped shard files each time it is called, so a caller that
+    converts and drops one parameter at a time holds one parameter in memory, not the model.
+    """
+
+    __slots__ = ("_checkpoint", "name", "shape")
+    dtype = torch.float32
+
+    def __init__(self, checkpoint: ShardedCheckpoint, name: str) -> None:
+        self._checkpoint = checkpoint
+        self.name = name
+        self.shape = torch.Size(checkpoint.params[name].shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def contiguous(self) -> torch.Tensor:
+        return self._checkpoint.full_weight(self.name)
+
+    def __repr__(self) -> str:
+        return f"LazyFullTensor({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _lazy_state_dict(ckpt: ShardedCheckpoint, exclude_frozen_parameters: bool) -> OrderedDict:
+    """`fp32_state_dict`'s keys, parameters as `LazyFullTensor`s (tied names share one)."""
+    out: OrderedDict = OrderedDict()
+    for meta in ckpt.params.values():
+        if not (exclude_frozen_parameters and not meta.requires_grad):
+            out[meta.name] = LazyFullTensor(ckpt, meta.name)
+    for alias, canonical in ckpt.engine_entry("shared_params") or []:
+        if canonical in out:
+            out[alias] = out[canonical]
+    for name, buf in (ckpt.engine_entry("buffers") or {}).items():
+        out[name] = buf.to(torch.float32, copy=True) if buf.is_floating_point() else buf.clone()
+    return out
+
+
 def get_fp32_state_dict_from_zero_checkpoint(
     checkpoint_dir: str,
     tag: Optional[str] = None,
     exclude_frozen_parameters: bool = False,
+    lazy_mode: bool = False,
+    *,
     trust_checkpoint: bool = False,
 ) -> OrderedDict:
     """`{name: full fp32 tensor}` of the parameters (tied names included) and buffers.
 
     `checkpoint_dir` is the folder with `latest`; `tag` picks another tag folder. The keys
     are `module.state_dict()` names of the model the engine wrapped (no `module.` prefix).
-    Raises `CheckpointError` naming the file for a missing, truncated or mismatched file,
-    and `UnsafeCheckpointError` for a file naming globals outside the allowlist unless
-    `trust_checkpoint=True` (see the module docstring).
+    `lazy_mode=True` (upstream's argument, fourth as there): each parameter is a
+    `LazyFullTensor` instead, whose `.contiguous()` builds it, for models too large to hold
+    whole; buffers are tensors either way. Raises `CheckpointError` naming the file for a
+    missing, truncated or mismatched file, and `UnsafeCheckpointError` for a file naming
+    globals outside the allowlist unless `trust_checkpoint=True` (keyword-only, so a
+    positional call written for upstream cannot switch it on; see the module docstring).
     """
     ckpt = ShardedCheckpoint.open(_tag_dir(checkpoint_dir, tag), trust_checkpoint)
+    if lazy_mode:
+        return _lazy_state_dict(ckpt, exclude_frozen_parameters)
     return ckpt.fp32_state_dict(exclude_frozen_parameters, progress=_progress)
 
 
 def load_state_dict_from_zero_checkpoint(
-    model: torch.nn.Module, checkpoint_dir: str, tag: Optional[str] = None, trust_checkpoint: bool = False
+    model: torch.nn.Module, checkpoint_dir: str, tag: Optional[str] = None, *, trust_checkpoint: bool = False
 ):
     """Move `model` to the CPU and load the consolidated fp32 weights into it (non-strict)."""
     state_dict = get_fp32_state_dict_from_zero_checkpoint(
@@ -237,26 +290,73 @@ def _write_folder(state_dict: dict, output_dir: str, limit: int, safe: bool) -> 
     return paths + [index_path]
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(
+_OUTPUT_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def output_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    """`dtype` as a torch dtype: fp32, fp16 or bf16, given as a torch dtype or a name
+    (`"bf16"`, `"bfloat16"`, `"torch.bfloat16"`, ...)."""
+    if isinstance(dtype, str):
+        resolved = _OUTPUT_DTYPES.get(dtype.lower().removeprefix("torch."))
+    else:
+        resolved = dtype if dtype in _OUTPUT_DTYPES.values() else None
+    if resolved is None:
+        raise ValueError(
+            f"dtype={dtype!r}: the consolidated weights can be written as float32, float16 or bfloat16 "
+            f"(a torch dtype or one of {sorted(_OUTPUT_DTYPES)})"
+        )
+    return resolved
+
+
+def _cast_floating(state_dict: dict, dtype: torch.dtype) -> dict:
+    """Floating tensors cast to `dtype` (tied names still share one tensor); others as they are."""
+    cast: dict = {}
+    out = OrderedDict()
+    for name, t in state_dict.items():
+        if id(t) not in cast:
+            cast[id(t)] = t.to(dtype) if t.is_floating_point() else t
+        out[name] = cast[id(t)]
+    return out
+
+
+def convert_zero_checkpoint_to_state_dict(
     checkpoint_dir: str,
     output_dir: str,
+    dtype: Union[str, torch.dtype] = torch.float32,
     max_shard_size: Union[int, str] = "5GB",
     safe_serialization: bool = False,
     tag: Optional[str] = None,
     exclude_frozen_parameters: bool = False,
+    *,
     trust_checkpoint: bool = False,
 ) -> list:
-    """Write the consolidated fp32 state dict; returns the paths written.
+    """Write the consolidated state dict with floating tensors in `dtype` (see `output_dtype`;
+    integer and bool buffers keep theirs); returns the paths written.
 
     `output_dir` may also be a file name ending in `.bin`, `.pt`, `.pth` or `.safetensors`
     (then it is one file, in safetensors format if the name or `safe_serialization` says
     so). A folder gets `pytorch_model.bin` / `model.safetensors`, sharded past `max_shard_size`.
     `trust_checkpoint`: see `get_fp32_state_dict_from_zero_checkpoint`.
     """
+    target = output_dtype(dtype)
     limit = parse_size(max_shard_size)
     state_dict = get_fp32_state_dict_from_zero_checkpoint(
         checkpoint_dir, tag, exclude_frozen_parameters, trust_checkpoint=trust_checkpoint
     )
+    if target != torch.float32:
+        state_dict = _cast_floating(state_dict, target)
+    if logger.isEnabledFor(logging.DEBUG):  # the command line's --debug
+        for name, t in state_dict.items():
+            logger.debug(f"zero_to_fp32: {name} {tuple(t.shape)} {t.dtype}")
     if str(output_dir).endswith(_FILE_SUFFIXES) and not os.path.isdir(output_dir):
         safe = safe_serialization or str(output_dir).endswith(".safetensors")
         parent = os.path.dirname(os.path.abspath(output_dir))
@@ -264,6 +364,29 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         _write_weights(state_dict, output_dir, safe)
         return [output_dir]
     return _write_folder(state_dict, output_dir, limit, safe_serialization)
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str,
+    output_dir: str,
+    max_shard_size: Union[int, str] = "5GB",
+    safe_serialization: bool = False,
+    tag: Optional[str] = None,
+    exclude_frozen_parameters: bool = False,
+    *,
+    trust_checkpoint: bool = False,
+) -> list:
+    """`convert_zero_checkpoint_to_state_dict` in fp32 (upstream's argument order)."""
+    return convert_zero_checkpoint_to_state_dict(
+        checkpoint_dir,
+        output_dir,
+        torch.float32,
+        max_shard_size,
+        safe_serialization,
+        tag,
+        exclude_frozen_parameters,
+        trust_checkpoint=trust_checkpoint,
+    )
 
 
 # ============================================================================ command line
@@ -288,6 +411,14 @@ def _parser() -> argparse.ArgumentParser:
         "--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out"
     )
     parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="write floating tensors as float32 (default), float16 or bfloat16",
+    )
+    parser.add_argument(
+        "-d", "--debug", action="store_true", help="log each consolidated tensor's name, shape and dtype"
+    )
+    parser.add_argument(
         "--trust_checkpoint",
         action="store_true",
         help="load files that name Python objects outside the safe allowlist (their unpickling can run "
@@ -298,10 +429,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> int:
     args = _parser().parse_args(argv)
+    level = logger.level
+    if args.debug:
+        logger.setLevel(logging.DEBUG)  # back to `level` below: main() may run inside a program
     try:
-        paths = convert_zero_checkpoint_to_fp32_state_dict(
+        paths = convert_zero_checkpoint_to_state_dict(
             args.checkpoint_dir,
             args.output_dir,
+            dtype=args.dtype,
             max_shard_size=args.max_shard_size,
             safe_serialization=args.safe_serialization,
             tag=args.tag,
@@ -311,6 +446,8 @@ def main(argv: Optional[list] = None) -> int:
     except (CheckpointError, FileNotFoundError, ValueError, ImportError) as err:
         print(f"zero_to_fp32: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        logger.setLevel(level)
     for path in paths:
         print(f"Saved {path}")
     return 0

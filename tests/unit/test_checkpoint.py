@@ -11,6 +11,7 @@ losses and parameters in `reference.pt`. The load tests at world sizes 1, 2 and 
 the zero_to_fp32 tests (plain, in the parent process), read that directory.
 """
 
+import logging
 import os
 import subprocess
 import sys
@@ -279,6 +280,56 @@ def test_zero_to_fp32_cli_writes_bin_and_safetensors(two_rank_checkpoint, tmp_pa
         merged.update(load_file(str(out_dir / shard)))
     assert_equal_params(merged, expected)
     assert zero_to_fp32.main([str(tmp_path / "nowhere"), str(tmp_path / "x.bin")]) == 1
+
+
+def test_zero_to_fp32_takes_upstreams_arguments(two_rank_checkpoint, tmp_path, capfd, caplog):
+    """Upstream 0.19's signatures: `lazy_mode` fourth (a positional True must not mean
+    trust_checkpoint, which is keyword-only everywhere), `convert_zero_checkpoint_to_state_dict`
+    with a dtype, and the command line's `-d/--debug`."""
+    import inspect
+
+    for fn in (
+        zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint,
+        zero_to_fp32.load_state_dict_from_zero_checkpoint,
+        zero_to_fp32.convert_zero_checkpoint_to_state_dict,
+        zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict,
+    ):
+        kind = inspect.signature(fn).parameters["trust_checkpoint"].kind
+        assert kind is inspect.Parameter.KEYWORD_ONLY, fn.__name__
+    eager = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(two_rank_checkpoint)
+    lazy = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(two_rank_checkpoint, None, False, True)
+    assert list(lazy) == list(eager)
+    for name, value in lazy.items():
+        if isinstance(value, zero_to_fp32.LazyFullTensor):
+            assert value.shape == eager[name].shape and value.dtype == torch.float32, name
+            assert torch.equal(value.contiguous(), eager[name]), name
+        else:  # buffers are tensors either way
+            assert torch.equal(value, eager[name]), name
+    assert sum(isinstance(v, zero_to_fp32.LazyFullTensor) for v in lazy.values()) == len(
+        load_reference(two_rank_checkpoint)["saved"]
+    )
+
+    paths = zero_to_fp32.convert_zero_checkpoint_to_state_dict(
+        two_rank_checkpoint, str(tmp_path / "bf16"), dtype="bf16"
+    )
+    written = torch.load(paths[0])
+    assert list(written) == list(eager)
+    for name, t in written.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, eager[name].to(torch.bfloat16)), name
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        zero_to_fp32.convert_zero_checkpoint_to_state_dict(
+            two_rank_checkpoint, str(tmp_path / "x"), dtype="int8"
+        )
+
+    out = tmp_path / "half.bin"
+    assert zero_to_fp32.main([two_rank_checkpoint, str(out), "--dtype", "float16", "-d"]) == 0
+    logged = capfd.readouterr().out + caplog.text  # the logger's stream handler, or pytest's capture
+    first = next(iter(eager))
+    assert f"{first} {tuple(eager[first].shape)} torch.float16" in logged, logged
+    assert all(t.dtype == torch.float16 for t in torch.load(out).values())
+    from deepspeed.utils.logging import logger
+
+    assert logger.level != logging.DEBUG  # main() put the level back
 
 
 def test_zero_to_fp32_names_a_truncated_file(two_rank_checkpoint, tmp_path):
