@@ -237,7 +237,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         "seq_parallel_communication_data_type": Unsupported(
             "sequence parallelism is not implemented; remove the key or set it to 'fp32'"
         ),
-        "wall_clock_breakdown": _true_unsupported("engine timers are not implemented; use torch.profiler"),
         "memory_breakdown": _true_unsupported(
             "memory logging is not implemented; use get_accelerator().memory_allocated()"
         ),

@@ -41,6 +41,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
 )
 from deepspeed.utils import groups
 from deepspeed.utils.logging import logger
+from deepspeed.utils.timer import EngineTimers, SynchronizedWallClockTimer
 from deepspeed.utils.z3_leaf_module import apply_leaf_module_config, set_z3_leaf_modules_by_granularity
 
 
@@ -95,6 +96,10 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         # Upstream's switch: False leaves stages 0-1's gradients unreduced after backward, for
         # the caller to reduce with allreduce_gradients() (see there).
         self.enable_backward_allreduce = True
+        # `wall_clock_breakdown`: named timers around forward, backward and step (utils/timer.py).
+        self.timers = SynchronizedWallClockTimer()
+        self.engine_timers = EngineTimers(enabled=self._config.wall_clock_breakdown)
+        self.engine_timers_cache: dict = {}  # get_wall_clock_timers(): the last step's readings
         self._is_compiled = False  # see compile()
         zero = self._config.zero_config
         # Stages 0-2 keep full parameters (stage_1_and_2.py's note); stage 3 partitions them.
@@ -424,7 +429,35 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         args, kwargs = forward_prologue(self, args, kwargs)  # fp16.auto_cast
         # The module's own hooks gather, release and mark where a pass starts and ends, so a
         # direct call of the module (generate, an eval loop) behaves the same (see hooks.py).
-        return self.module(*args, **kwargs)
+        self._start_timers("forward")
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._stop_timers("forward")
+
+    def _start_timers(self, region: str) -> None:
+        for name in self.engine_timers.regions[region]:  # empty without wall_clock_breakdown
+            self.timers(name).start()
+
+    def _stop_timers(self, region: str) -> None:
+        for name in self.engine_timers.regions[region]:
+            self.timers(name).stop()
+
+    def _log_timers(self) -> None:
+        """After each step() with `wall_clock_breakdown`: print and reset the micro-step timers,
+        and at an accumulation boundary the step's (upstream's `time (ms) | fwd: ...` lines)."""
+        if not self.engine_timers.micro_timers:
+            return
+        self.engine_timers_cache = {
+            name: self.timers(name).elapsed(reset=False) for name in self.engine_timers.active_timers()
+        }
+        self.timers.log(self.engine_timers.micro_timers)
+        if self.is_gradient_accumulation_boundary():
+            self.timers.log(self.engine_timers.global_timers)
+
+    def get_wall_clock_timers(self) -> dict:
+        """`{timer name: milliseconds}` as read at the last step() (empty without `wall_clock_breakdown`)."""
+        return self.engine_timers_cache
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
@@ -440,23 +473,36 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 f"but ZeRO stage {self.zero_optimization_stage()} reduce-scatters each gradient while backward "
                 "runs; set it back to True, or use stage 0 or 1"
             )
+        self._start_timers("backward")
+        try:
+            self._backward(loss, retain_graph, scale_wrt_gas)
+        finally:
+            self._stop_timers("backward")
+        return loss
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> None:
         scaled = loss.float() * self.optimizer.loss_scale
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
         self.leaf_grads.refresh()
         self._inside_backward = True
+        self._start_timers("backward_inner")  # autograd, with the reductions inside it (stages 2-3)
         try:
             scaled.backward(retain_graph=retain_graph)
         finally:
+            self._stop_timers("backward_inner")
             self._inside_backward = False
             if self.coordinator is not None:
                 self.coordinator.finish_backward()
-        if self.zero_optimization_partition_gradients():
-            self.leaf_grads.flush(self.reducer)
-        self.reducer.flush()
-        if self.enable_backward_allreduce and not self._inside_no_sync:
-            self.allreduce_gradients()
-        return loss
+        self._start_timers("backward_reduce")  # what is left to reduce once autograd is done
+        try:
+            if self.zero_optimization_partition_gradients():
+                self.leaf_grads.flush(self.reducer)
+            self.reducer.flush()
+            if self.enable_backward_allreduce and not self._inside_no_sync:
+                self.allreduce_gradients()
+        finally:
+            self._stop_timers("backward_reduce")
 
     def allreduce_gradients(self, bucket_size: Optional[int] = None) -> None:
         """Reduce the gradients backward left unreduced (upstream's name; each rank then holds
@@ -543,16 +589,21 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 "not reduced yet; leave the `with engine.no_sync():` block first (the step then reduces them)"
             )
         self._refuse_stray_grads("engine.step()")
-        if self.is_gradient_accumulation_boundary():
-            if not self.zero_optimization_partition_gradients():  # a boundary that backward did not see
-                reduce_accumulated_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
-            stepped = self.optimizer.step()  # settles live gathers, then refreshes full tensors
-            if stepped and self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-            self.optimizer.zero_grad()
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-            report_progress(self)  # steps_per_print
+        self._start_timers("step")
+        try:
+            if self.is_gradient_accumulation_boundary():
+                if not self.zero_optimization_partition_gradients():  # a boundary that backward did not see
+                    reduce_accumulated_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
+                stepped = self.optimizer.step()  # settles live gathers, then refreshes full tensors
+                if stepped and self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+                self.optimizer.zero_grad()
+                self.global_steps += 1
+                self.global_samples += self.train_batch_size()
+                report_progress(self)  # steps_per_print
+        finally:
+            self._stop_timers("step")
+        self._log_timers()
         self.micro_steps += 1
 
     def _refresh_full_params(self, after_load: bool = False) -> None:

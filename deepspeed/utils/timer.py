@@ -1,0 +1,164 @@
+"""Named wall-clock timers, as upstream's `deepspeed.utils.timer`, and the engine's timer names.
+
+`SynchronizedWallClockTimer` keeps one `Timer` per name; `timers("fwd").start()` /
+`.stop()` accumulate, `elapsed()` reads milliseconds, `log(names)` prints them on rank 0.
+"Synchronized": start and stop wait for the accelerator (`synchronize()`), so a timer covers
+the device work the region queued, not just its launch; on the CPU that wait is free.
+
+The engine times its calls with these when the config sets `wall_clock_breakdown: true`
+(see `EngineTimers`): each region under a per-micro-step name and a per-step name, the
+micro-step ones printed and reset after every `engine.step()`, the step ones at every
+accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from deepspeed.utils.logging import print_dist
+
+FORWARD_MICRO_TIMER = "fwd_microstep"
+FORWARD_GLOBAL_TIMER = "fwd"
+BACKWARD_MICRO_TIMER = "bwd_microstep"
+BACKWARD_GLOBAL_TIMER = "bwd"
+BACKWARD_INNER_MICRO_TIMER = "bwd_inner_microstep"
+BACKWARD_INNER_GLOBAL_TIMER = "bwd_inner"
+BACKWARD_REDUCE_MICRO_TIMER = "bwd_allreduce_microstep"
+BACKWARD_REDUCE_GLOBAL_TIMER = "bwd_allreduce"
+STEP_MICRO_TIMER = "step_microstep"
+STEP_GLOBAL_TIMER = "step"
+
+
+def _synchronize() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()
+
+
+class SynchronizedWallClockTimer:
+    """Timers by name, made on first use."""
+
+    class Timer:
+        """Accumulates the time between `start()` and `stop()` calls until `reset()`."""
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.started = False
+            self._started_at = 0.0
+            self._total = 0.0  # seconds since the last reset
+            self._intervals: list = []  # seconds of each recorded start-stop since the last reset, for mean()
+
+        def start(self) -> None:
+            if self.started:
+                raise RuntimeError(f"timer {self.name!r} was started twice; stop() it first")
+            _synchronize()
+            self._started_at = time.perf_counter()
+            self.started = True
+
+        def stop(self, reset: bool = False, record: bool = False) -> None:
+            """End the interval; `reset` drops what came before it; `record` also keeps the
+            interval for `mean()` (as upstream's timers keep only recorded intervals there)."""
+            if not self.started:
+                raise RuntimeError(f"timer {self.name!r} was stopped without being started")
+            _synchronize()
+            interval = time.perf_counter() - self._started_at
+            if reset:
+                self._total, self._intervals = 0.0, []
+            self._total += interval
+            if record:
+                self._intervals.append(interval)
+            self.started = False
+
+        def reset(self) -> None:
+            self.started = False
+            self._total, self._intervals = 0.0, []
+
+        def elapsed(self, reset: bool = True) -> float:
+            """Milliseconds accumulated (a running interval counts up to now); `reset` clears them
+            and a running timer carries on from now."""
+            running = self.started
+            if running:
+                self.stop()
+            total_ms = self._total * 1000.0
+            if reset:
+                self.reset()
+            if running:
+                self.start()
+            return total_ms
+
+        def mean(self) -> float:
+            """Mean seconds per recorded interval (`stop(record=True)`) since the last reset; 0 without one."""
+            return sum(self._intervals) / len(self._intervals) if self._intervals else 0.0
+
+    def __init__(self) -> None:
+        self.timers: dict = {}
+
+    def get_timers(self) -> dict:
+        return self.timers
+
+    def __call__(self, name: str) -> SynchronizedWallClockTimer.Timer:
+        timer = self.timers.get(name)
+        if timer is None:
+            timer = self.timers[name] = self.Timer(name)
+        return timer
+
+    def log(
+        self,
+        names: list,
+        normalizer: float = 1.0,
+        reset: bool = True,
+        memory_breakdown: bool = False,
+        ranks: Optional[list] = None,
+    ) -> None:
+        """Print `time (ms) | name: value | ...` for the named timers that exist, on `ranks`
+        (default rank 0), each divided by `normalizer`. `memory_breakdown` must stay False:
+        memory logging is not implemented (the config refuses `memory_breakdown` too)."""
+        if normalizer <= 0:
+            raise ValueError(f"SynchronizedWallClockTimer.log: normalizer={normalizer} must be positive")
+        if memory_breakdown:
+            raise NotImplementedError(
+                "SynchronizedWallClockTimer.log(memory_breakdown=True): memory logging is not implemented; "
+                "use deepspeed.runtime.utils.see_memory_usage"
+            )
+        parts = [
+            f"{name}: {self.timers[name].elapsed(reset=reset) / normalizer:.2f}"
+            for name in names
+            if name in self.timers
+        ]
+        print_dist(" | ".join(["time (ms)", *parts]), ranks=ranks or [0])
+
+    def get_mean(self, names: list, normalizer: float = 1.0, reset: bool = True) -> dict:
+        """`{name: mean milliseconds per interval / normalizer}` for the named timers that exist."""
+        if normalizer <= 0:
+            raise ValueError(f"SynchronizedWallClockTimer.get_mean: normalizer={normalizer} must be positive")
+        means = {}
+        for name in names:
+            if name in self.timers:
+                means[name] = self.timers[name].mean() * 1000.0 / normalizer
+                if reset:
+                    self.timers[name].reset()
+        return means
+
+
+class EngineTimers:
+    """Which timer names the engine starts and stops around each region, and which it logs.
+
+    Both sets exist only with `wall_clock_breakdown`; otherwise every list is empty and the
+    engine's timing calls do nothing.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        pairs = {
+            "forward": (FORWARD_MICRO_TIMER, FORWARD_GLOBAL_TIMER),
+            "backward": (BACKWARD_MICRO_TIMER, BACKWARD_GLOBAL_TIMER),
+            "backward_inner": (BACKWARD_INNER_MICRO_TIMER, BACKWARD_INNER_GLOBAL_TIMER),
+            "backward_reduce": (BACKWARD_REDUCE_MICRO_TIMER, BACKWARD_REDUCE_GLOBAL_TIMER),
+            "step": (STEP_MICRO_TIMER, STEP_GLOBAL_TIMER),
+        }
+        self.regions = {region: list(names) if enabled else [] for region, names in pairs.items()}
+        self.micro_timers = [micro for micro, _ in pairs.values()] if enabled else []
+        self.global_timers = [whole for _, whole in pairs.values()] if enabled else []
+
+    def active_timers(self) -> list:
+        return self.micro_timers + self.global_timers
