@@ -237,9 +237,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         "seq_parallel_communication_data_type": Unsupported(
             "sequence parallelism is not implemented; remove the key or set it to 'fp32'"
         ),
-        "memory_breakdown": _true_unsupported(
-            "memory logging is not implemented; use get_accelerator().memory_allocated()"
-        ),
         "dump_state": _true_unsupported("state dumps are not implemented; print(engine._config.describe())"),
         "disable_allgather": _true_unsupported("parameters are always all-gathered for forward and backward"),
         "fp32_allreduce": _true_unsupported('set "communication_data_type": "fp32" instead'),

@@ -25,6 +25,7 @@ from deepspeed.runtime.checkpointing import CheckpointMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.forward_prologue import forward_prologue, report_progress
 from deepspeed.runtime.host_malloc import keep_freed_memory_for_reuse
+from deepspeed.runtime.utils import see_memory_usage
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
@@ -429,11 +430,18 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         args, kwargs = forward_prologue(self, args, kwargs)  # fp16.auto_cast
         # The module's own hooks gather, release and mark where a pass starts and ends, so a
         # direct call of the module (generate, an eval loop) behaves the same (see hooks.py).
+        self._memory_report("Engine before forward")
         self._start_timers("forward")
         try:
             return self.module(*args, **kwargs)
         finally:
             self._stop_timers("forward")
+            self._memory_report("Engine after forward")
+
+    def _memory_report(self, where: str) -> None:
+        """`memory_breakdown: true`: print the accelerator's and host's memory here (rank 0)."""
+        if self._config.memory_breakdown:
+            see_memory_usage(where, force=True)
 
     def _start_timers(self, region: str) -> None:
         for name in self.engine_timers.regions[region]:  # empty without wall_clock_breakdown
@@ -451,7 +459,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self.engine_timers_cache = {
             name: self.timers(name).elapsed(reset=False) for name in self.engine_timers.active_timers()
         }
-        self.timers.log(self.engine_timers.micro_timers)
+        self.timers.log(self.engine_timers.micro_timers, memory_breakdown=self._config.memory_breakdown)
         if self.is_gradient_accumulation_boundary():
             self.timers.log(self.engine_timers.global_timers)
 
@@ -473,11 +481,13 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 f"but ZeRO stage {self.zero_optimization_stage()} reduce-scatters each gradient while backward "
                 "runs; set it back to True, or use stage 0 or 1"
             )
+        self._memory_report("Engine before backward")
         self._start_timers("backward")
         try:
             self._backward(loss, retain_graph, scale_wrt_gas)
         finally:
             self._stop_timers("backward")
+        self._memory_report("Engine after backward")
         return loss
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> None:
@@ -589,6 +599,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 "not reduced yet; leave the `with engine.no_sync():` block first (the step then reduces them)"
             )
         self._refuse_stray_grads("engine.step()")
+        self._memory_report("Engine before step")
         self._start_timers("step")
         try:
             if self.is_gradient_accumulation_boundary():
@@ -605,6 +616,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             self._stop_timers("step")
         self._log_timers()
         self.micro_steps += 1
+        self._memory_report("Engine after step")
 
     def _refresh_full_params(self, after_load: bool = False) -> None:
         """After the shards changed (a step, a load): every full tensor must show them.

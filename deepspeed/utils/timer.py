@@ -112,21 +112,33 @@ class SynchronizedWallClockTimer:
         ranks: Optional[list] = None,
     ) -> None:
         """Print `time (ms) | name: value | ...` for the named timers that exist, on `ranks`
-        (default rank 0), each divided by `normalizer`. `memory_breakdown` must stay False:
-        memory logging is not implemented (the config refuses `memory_breakdown` too)."""
+        (default rank 0), each divided by `normalizer`; `memory_breakdown` appends the
+        accelerator's memory (`memory_usage()`)."""
         if normalizer <= 0:
             raise ValueError(f"SynchronizedWallClockTimer.log: normalizer={normalizer} must be positive")
-        if memory_breakdown:
-            raise NotImplementedError(
-                "SynchronizedWallClockTimer.log(memory_breakdown=True): memory logging is not implemented; "
-                "use deepspeed.runtime.utils.see_memory_usage"
-            )
         parts = [
             f"{name}: {self.timers[name].elapsed(reset=reset) / normalizer:.2f}"
             for name in names
             if name in self.timers
         ]
-        print_dist(" | ".join(["time (ms)", *parts]), ranks=ranks or [0])
+        line = " | ".join(["time (ms)", *parts])
+        if memory_breakdown:
+            line += self.memory_usage()
+        print_dist(line, ranks=ranks or [0])
+
+    @staticmethod
+    def memory_usage() -> str:
+        """` | mem_allocated: X GB | max_mem_allocated: ... | cache_allocated: ... | max_cache_allocated: ...`"""
+        from deepspeed.accelerator import get_accelerator
+
+        acc, gib = get_accelerator(), float(1 << 30)
+        readings = (
+            ("mem_allocated", acc.memory_allocated()),
+            ("max_mem_allocated", acc.max_memory_allocated()),
+            ("cache_allocated", acc.memory_reserved()),
+            ("max_cache_allocated", acc.max_memory_reserved()),
+        )
+        return "".join(f" | {name}: {value / gib:.4f} GB" for name, value in readings)
 
     def get_mean(self, names: list, normalizer: float = 1.0, reset: bool = True) -> dict:
         """`{name: mean milliseconds per interval / normalizer}` for the named timers that exist."""

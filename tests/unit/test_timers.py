@@ -41,8 +41,12 @@ def test_timer_accumulates_resets_and_refuses_misuse(capsys):
     assert t.elapsed() == 0.0  # log reset it
     with pytest.raises(ValueError, match="normalizer=0"):
         timers.log(["work"], normalizer=0)
-    with pytest.raises(NotImplementedError, match="memory_breakdown"):
-        timers.log(["work"], memory_breakdown=True)
+    timers.log(["work"], memory_breakdown=True)
+    line = capsys.readouterr().out.strip()
+    names = ["mem_allocated", "max_mem_allocated", "cache_allocated", "max_cache_allocated"]
+    assert re.fullmatch(
+        r"time \(ms\) \| work: \d+\.\d\d" + "".join(rf" \| {n}: \d+\.\d{{4}} GB" for n in names), line
+    )
 
 
 class TestWallClockBreakdown(DistributedTest):
@@ -75,6 +79,19 @@ class TestWallClockBreakdown(DistributedTest):
         assert engine.wall_clock_breakdown()
         off, _ = engine_run(data[:1])
         assert off.get_wall_clock_timers() == {} and off.timers.get_timers() == {}
+
+    def test_memory_breakdown_reports_around_each_call(self):
+        """`memory_breakdown: true`: rank 0 prints the memory before and after forward,
+        backward and step (see_memory_usage's lines), in that order."""
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            engine_run(batches(1, seed=45), memory_breakdown=True)
+        where = [line for line in out.getvalue().splitlines() if line.startswith("Engine ")]
+        calls = ["forward", "backward", "step"]
+        expected = [f"Engine {edge} {call}" for call in calls for edge in ("before", "after")]
+        assert where == (expected if dist.get_rank() == 0 else []), where
+        if dist.get_rank() == 0:
+            assert out.getvalue().count("CPU Virtual Memory:") == len(expected)
 
 
 def test_timer_names_are_upstreams():
