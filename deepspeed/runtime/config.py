@@ -312,8 +312,9 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     steps_per_print: Union[int, float] = 10
     """Log progress every this many optimizer steps; accelerate sets it to infinity to silence it."""
 
-    gradient_clipping: float = Field(0.0, ge=0.0)
-    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    gradient_clipping: float = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 turns clipping off. The default is
+    upstream 0.19's (1.0): a config without the key clips there, so it clips here too."""
 
     prescale_gradients: bool = False
     """Divide gradients by the world size before the all-reduce rather than after."""

@@ -174,6 +174,9 @@ def plain_next_step(name: str, ref: dict, fx) -> dict:
     masters = {n: consolidated[n].detach().clone().requires_grad_(True) for n in names}
     for n in names:
         masters[n].grad = params[n].grad.float()
+    # Upstream clips at 1.0 unless the config says otherwise (the fixtures' config does not).
+    clip = fx.config("fp32").get("gradient_clipping", 1.0)
+    torch.nn.utils.clip_grad_norm_([masters[n] for n in names], clip)
     opt = torch.optim.AdamW([masters[n] for n in names], **hyper)
     for n in names:
         opt.state[masters[n]] = {**moments[n], "step": step.clone()}

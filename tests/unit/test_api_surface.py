@@ -490,6 +490,7 @@ def _cfg(gas=1, **zero):
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,  # the plain references do not clip (the default clips at 1.0)
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
     }
@@ -643,6 +644,7 @@ class TestApiSurfaceDistributed(DistributedTest):
             config = {
                 "train_micro_batch_size_per_gpu": 2,
                 "gradient_accumulation_steps": gas,
+                "gradient_clipping": 0.0,
                 "optimizer": {
                     "type": "AdamW",
                     "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True},

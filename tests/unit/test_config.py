@@ -125,7 +125,7 @@ def test_defaults_of_a_minimal_config():
     assert cfg.zero_optimization_stage == 0 and not cfg.zero_enabled
     assert not cfg.fp16_enabled and not cfg.bfloat16_enabled
     assert cfg.dynamic_loss_scale_args is None
-    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 10  # upstream 0.19's default clips
     assert cfg.optimizer_name is None and cfg.optimizer_params is None and cfg.scheduler_name is None
     assert not cfg.wall_clock_breakdown and not cfg.zero_allow_untested_optimizer
     z = cfg.zero_config

@@ -27,6 +27,7 @@ LR, MOMENTUM = 0.1, 0.9
 def base_config(**extra):
     cfg = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+        "gradient_clipping": 0.0,  # the plain references do not clip (the default clips at 1.0)
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 300},
     }
     cfg.update(extra)

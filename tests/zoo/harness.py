@@ -79,6 +79,7 @@ def zero_config(micro: int, gas: int = 1, stage: int = 3, **extra: Any) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,  # the references do not clip; the default (upstream's) clips at 1.0
         "zero_optimization": {
             "stage": stage,
             "stage3_param_persistence_threshold": 0,
