@@ -186,13 +186,16 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         elif spans_world:
             why = f"parameters such as {spans_world[0]!r} are partitioned over all {world} ranks"
         elif config.gradient_clipping > 0 or config.fp16_enabled:
-            why = "gradient_clipping and fp16's overflow check use a norm not summed over the model-parallel ranks"
+            why = (
+                f"gradient_clipping={config.gradient_clipping} (1.0 when the config omits it, as upstream's) and "
+                "fp16's overflow check use a norm not summed over the model-parallel ranks"
+            )
         if why is not None:
             raise ValueError(
                 f"deepspeed.initialize: the mpu has model-parallel size {size}, and {why}, which would mix "
                 "different model-parallel shards. Model parallelism is supported only at stage 3 with the model "
-                "built under deepspeed.zero.Init(mpu=mpu) and without gradient_clipping or fp16; otherwise train "
-                "without model parallelism"
+                'built under deepspeed.zero.Init(mpu=mpu), with "gradient_clipping": 0 and without fp16; otherwise '
+                "train without model parallelism"
             )
 
     def _prepare_module(self) -> None:

@@ -349,6 +349,12 @@ class TestEngineFeatures(DistributedTest):
         train(engine, batches(1, seed=2))
         with pytest.raises(ValueError, match="gradient_clipping"):
             deepspeed.initialize(model=model, config=config(clip=1.0), mpu=mpu)
+        omitted = config()
+        del omitted["gradient_clipping"]  # the default clips at 1.0, as upstream's: refused too, saying how
+        with pytest.raises(
+            ValueError, match=r'gradient_clipping=1.0 \(1.0 when the config omits it.*"gradient_clipping": 0'
+        ):
+            deepspeed.initialize(model=model, config=omitted, mpu=mpu)
         cfg = config()
         cfg["zero_optimization"]["stage"] = 1
         deepspeed.initialize(model=TinyLM(), config=cfg, mpu=ModelParallel(1, dist.get_world_group()))
