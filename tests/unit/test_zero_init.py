@@ -170,6 +170,33 @@ class TestInitParity(DistributedTest):
             w.partition(free_data=False)  # would leave a full tensor behind a partitioned status
         assert w.ds_status is ZeroParamStatus.AVAILABLE  # refused before anything changed
         w.partition()
+        # As upstream: gathering an all_gather()-ed parameter again does nothing, and one
+        # partition() frees it (it was counted: two gathers needed two partitions).
+        w.all_gather()
+        w.all_gather(async_op=True).wait()
+        layer.weight.all_gather_coalesced([layer.weight]).wait()
+        w.partition()
+        assert w.ds_status is ZeroParamStatus.NOT_AVAILABLE and w.data.shape == (0,)
+
+    def test_item_gathers_a_partitioned_scalar(self):
+        """`param.item()` reads the value of a partitioned one-element parameter (upstream
+        gathers first); it stays partitioned after, and an available one reads as it is."""
+
+        class Scaled(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.temperature = nn.Parameter(torch.tensor(2.5))
+
+        with deepspeed.zero.Init():
+            model = Scaled()
+        t = model.temperature
+        assert t.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        assert t.item() == 2.5
+        assert t.ds_status is ZeroParamStatus.NOT_AVAILABLE and t.data.shape == (0,)
+        with deepspeed.zero.GatheredParameters(t, modifier_rank=0):
+            t.data.fill_(-1.0)
+            assert t.item() == -1.0
+        assert t.item() == -1.0
 
 
 class TestInitDtypeAndFactories(DistributedTest):

@@ -540,6 +540,23 @@ def fetch(params: Iterable, owner: object, async_op: bool = False) -> GatherHand
     return fetch_states(zero_states(params), owner, async_op=async_op)
 
 
+def fetch_once(params: Iterable, owner: object, async_op: bool = False) -> GatherHandle:
+    """`fetch`, taking `owner`'s hold only on parameters it does not hold yet.
+
+    Upstream's `param.all_gather()` is idempotent: gathering an available parameter again
+    does nothing, and one `param.partition()` frees it. So `PARAM_API` holds at most once;
+    the handle still completes a gather of the already-held ones that is in flight.
+    """
+    states = zero_states(params)
+    fresh = [s for s in states if owner not in s.holds]
+    handle = fetch_states(fresh, owner, async_op=True)
+    pending = {id(s.pending): s.pending for s in states if s.status is ZeroParamStatus.INFLIGHT}
+    handle = GatherHandle(handle._buckets + [b for b in pending.values() if b not in handle._buckets])
+    if not async_op:
+        handle.wait()
+    return handle
+
+
 def wait_available(states: list) -> None:
     """Complete any gather still in flight for `states`."""
     for s in states:

@@ -489,6 +489,13 @@ def _contiguous_strides(shape: torch.Size) -> tuple:
     return tuple(reversed(strides))
 
 
+class _ItemRead:
+    """The owner of the hold `ZeroParameter.item()` takes for the length of one read."""
+
+    def __repr__(self) -> str:
+        return "param.item()"
+
+
 class ZeroParameter(nn.Parameter):
     """An `nn.Parameter` whose upstream `ds_*` attributes are read-only views of its state."""
 
@@ -551,14 +558,29 @@ class ZeroParameter(nn.Parameter):
         return self._zero_state.summary()
 
     def all_gather(self, param_list: Optional[list] = None, async_op: bool = False):
-        """Gather `param_list` (default: this parameter). Each call holds them until `partition()`."""
+        """Gather `param_list` (default: this parameter) until `partition()`; as upstream, a
+        parameter gathered this way already stays gathered once, not once per call."""
         from deepspeed.runtime.zero import gather
 
-        handle = gather.fetch(param_list or [self], gather.PARAM_API, async_op=True)
+        handle = gather.fetch_once(param_list or [self], gather.PARAM_API, async_op=True)
         if async_op:
             return handle
         handle.wait()
         return None
+
+    def item(self) -> Any:
+        """The value of a one-element parameter, gathered first when it is partitioned, as
+        upstream's `param.item()` is (a collective then: every rank of its group calls it)."""
+        if self._zero_state.status is ZeroParamStatus.AVAILABLE:
+            return super().item()
+        from deepspeed.runtime.zero import gather
+
+        holder = _ItemRead()
+        gather.fetch([self], holder)
+        try:
+            return super().item()
+        finally:
+            gather.release_states([self._zero_state], holder)
 
     def all_gather_coalesced(self, params: list, safe_mode: bool = False, quantize: bool = False):
         """Issue one coalesced gather of `params` and return its handle (call `wait()`)."""
@@ -567,7 +589,7 @@ class ZeroParameter(nn.Parameter):
             raise ValueError("all_gather_coalesced(quantize=True): quantized gathers are not supported")
         from deepspeed.runtime.zero import gather
 
-        return gather.fetch(params, gather.PARAM_API, async_op=True)
+        return gather.fetch_once(params, gather.PARAM_API, async_op=True)
 
     def partition(
         self, param_list: Optional[list] = None, has_been_updated: bool = False, free_data: bool = True
