@@ -48,6 +48,7 @@ setup(
     entry_points={
         "console_scripts": [
             "deepspeed=deepspeed.launcher.runner:main",
+            "ds=deepspeed.launcher.runner:main",  # upstream's short name for the same command
             "ds_report=deepspeed.env_report:main",
             "zero_to_fp32=deepspeed.utils.zero_to_fp32:main",
         ]

@@ -154,6 +154,9 @@ def init_distributed(
     if _dist.is_initialized():
         _destroy_before_teardown()  # whoever made it (accelerate, Lightning) may not destroy it
         return  # the caller (or a launcher) already set torch.distributed up: wrap it as it is
+    from deepspeed.launcher.launch import follow_launcher
+
+    follow_launcher()  # a rank of our launcher ends with it, even one killed outright
     if auto_mpi_discovery and rank < 0 and world_size < 0 and not {"RANK", "WORLD_SIZE"} & set(os.environ):
         found = env_discovery.apply()
         if found is not None and verbose:

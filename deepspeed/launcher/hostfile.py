@@ -35,11 +35,17 @@ def parse_hostfile_text(text: str, path: str = "<hostfile>") -> dict[str, int]:
             continue
         where = f"hostfile {path}, line {number} ({raw.strip()!r})"
         words = line.split()
-        if len(words) != 2 or not words[1].startswith("slots="):
-            raise ValueError(f"{where}: expected 'hostname slots=N'")
+        if len(words) not in (2, 3) or not words[1].startswith("slots="):
+            raise ValueError(f"{where}: expected 'hostname slots=N' (optionally 'max_slots=M', Open MPI's)")
         host, slots = words[0], words[1][len("slots=") :]
         if not slots.isdigit() or int(slots) == 0:
             raise ValueError(f"{where}: slots must be a positive integer, got {slots!r}")
+        if len(words) == 3:
+            # Open MPI's bound on oversubscription: ranks never exceed `slots` here, so it only
+            # has to allow them.
+            most = words[2][len("max_slots=") :] if words[2].startswith("max_slots=") else None
+            if most is None or not most.isdigit() or int(most) < int(slots):
+                raise ValueError(f"{where}: expected 'max_slots=M' with M >= slots, got {words[2]!r}")
         if host in hosts:
             raise ValueError(f"{where}: host {host!r} is already listed on an earlier line")
         hosts[host] = int(slots)

@@ -14,6 +14,13 @@ without signalling itself. The price is that a terminal's Ctrl-C reaches only th
 the launcher forwards SIGINT, SIGTERM and SIGHUP to every rank's group, waits a grace period
 and then kills what is left.
 
+The price of a session of its own is that a launcher killed outright (SIGKILL: the OOM
+killer, a scheduler) cannot forward anything, and its ranks would run on, orphaned, blocked in
+a collective for the comm timeout. So each rank gets `DEEPSPEED_LAUNCHER_PID`, and
+`init_distributed` calls `follow_launcher()`: on Linux a rank whose parent is that launcher
+asks the kernel for SIGTERM when its parent dies (`PR_SET_PDEATHSIG`), and one whose launcher
+is already gone refuses to join the job.
+
 [Note: why one failure ends the job]
 A rank that exits non-zero leaves its peers blocked in a collective it will never join.
 The supervisor polls every child; on the first failure it terminates the others (SIGTERM,
@@ -107,6 +114,70 @@ def parse_core_list(text: str) -> list[int]:
     return cores
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def add_log_level_args(parser: argparse.ArgumentParser) -> None:
+    """Upstream's `--log_level` and `-q/--quiet` (= `--log_level error`), for this launcher's own messages."""
+    parser.add_argument("--log_level", default=None, choices=LOG_LEVELS, help="the launcher's log level")
+    parser.add_argument("-q", "--quiet", action="store_true", help="log errors only (--log_level error)")
+
+
+def apply_log_level(ns: argparse.Namespace) -> Optional[str]:
+    """Set the deepspeed logger's level from `--log_level` / `--quiet`; returns the level set, if any."""
+    level = "error" if ns.quiet else ns.log_level
+    if level is not None:
+        logger.setLevel(level.upper())
+    return level
+
+
+def check_cores_available(cores: list[int]) -> list[int]:
+    """`cores`, if this process may run on every one of them; else ValueError naming the others."""
+    allowed = os.sched_getaffinity(0)
+    missing = [c for c in cores if c not in allowed]
+    if missing:
+        raise ValueError(
+            f"cores {missing} of the core list are not available here (this process may run on "
+            f"{sorted(allowed)}); pass --bind_core_list with cores from that set"
+        )
+    return cores
+
+
+LAUNCHER_PID_ENV = "DEEPSPEED_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def follow_launcher() -> None:
+    """In a rank: end with the launcher that started it (see [Note: why each rank gets its own session]).
+
+    Does nothing outside our launcher, off Linux, or when something else sits between the
+    launcher and this process (`--no_python` with a shell script: the shell is the parent).
+    Raises RuntimeError when the launcher has exited already, before this rank joins the job.
+    """
+    value = os.environ.get(LAUNCHER_PID_ENV)
+    if not value or not sys.platform.startswith("linux"):
+        return
+    launcher = int(value)
+    if os.getppid() != launcher:
+        try:
+            os.kill(launcher, 0)
+        except ProcessLookupError:
+            raise RuntimeError(
+                f"the deepspeed launcher (pid {launcher}) that started this rank has exited; not joining "
+                "the job (it would wait for peers that are gone)"
+            ) from None
+        except PermissionError:
+            pass  # alive, someone else's: a pid reused, or a wrapper between us
+        return  # a wrapper process is our parent: its death is not the launcher's
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # not permitted here (a sandbox): the launcher's own signals still reach us
+    if os.getppid() != launcher:  # it died between the check and the request
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def split_cores(cores: list[int], num_procs: int) -> list[list[int]]:
     """Give each of `num_procs` ranks an equal, contiguous share of `cores`."""
     per_rank = len(cores) // num_procs
@@ -143,6 +214,9 @@ def rank_env(spec: LaunchSpec, local_rank: int, base_env: Optional[dict] = None)
         GROUP_RANK=str(spec.node_rank),
         MASTER_ADDR=spec.master_addr,
         MASTER_PORT=str(spec.master_port),
+        # The rank asks to die with this process (comm.follow_launcher): each rank has its own
+        # session, so a launcher killed outright would otherwise leave it running.
+        **{LAUNCHER_PID_ENV: str(os.getpid())},
     )
     if spec.visible_devices:
         env.update(spec.visible_devices)
@@ -215,7 +289,13 @@ class Supervisor:
             self.terminate_all()
             raise RuntimeError(f"could not start {child.name} with {child.cmd}: {err}") from err
         if child.cores is not None:
-            os.sched_setaffinity(proc.pid, child.cores)
+            try:
+                os.sched_setaffinity(proc.pid, child.cores)
+            except OSError as err:  # it runs already: end it with the rest, leave no orphan
+                proc.kill()
+                proc.wait()
+                self.terminate_all()
+                raise RuntimeError(f"could not bind {child.name} to cores {child.cores}: {err}") from err
         return proc
 
     def on_signal(self, signum: int, _frame=None) -> None:
@@ -372,6 +452,7 @@ def _parse_launch_args(args: Optional[list[str]]) -> tuple[argparse.Namespace, a
     parser.add_argument(
         "--stop_on_stdin_eof", action="store_true", help="end the ranks when stdin closes (the ssh runner)"
     )
+    add_log_level_args(parser)
     parser.add_argument("training_script")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return parser.parse_args(args), parser
@@ -388,6 +469,7 @@ def node_layout(world: dict[str, list[int]], node_rank: int) -> tuple[list[int],
 
 def main(args: Optional[list[str]] = None) -> int:
     ns, parser = _parse_launch_args(args)
+    apply_log_level(ns)
     slots, offset, world_size, num_nodes = [0], 0, 1, 1
     try:
         if ns.world_info != "None":
@@ -397,7 +479,9 @@ def main(args: Optional[list[str]] = None) -> int:
         rank_cores = None
         if ns.bind_cores_to_rank or ns.bind_core_list:
             cores = (
-                parse_core_list(ns.bind_core_list) if ns.bind_core_list else sorted(os.sched_getaffinity(0))
+                check_cores_available(parse_core_list(ns.bind_core_list))
+                if ns.bind_core_list
+                else sorted(os.sched_getaffinity(0))
             )
             rank_cores = split_cores(cores, len(slots))
     except ValueError as err:

@@ -88,6 +88,8 @@ class JobSpec:
     save_pid: bool = False
     bind_cores_to_rank: bool = False
     bind_core_list: Optional[str] = None
+    log_level: Optional[str] = None  # each node's launcher's (--log_level)
+    comment: str = ""  # srun's --comment
     cwd: str = field(default_factory=os.getcwd)
     python: str = sys.executable
     ntasks_per_node: int = 0  # Slurm without a hostfile: tasks per node (pool is empty then)
@@ -190,6 +192,8 @@ class PerNodeLauncherRunner(MultiNodeRunner):
             launch.append(f"--enable_each_rank_log={job.log_dir}")
         if job.save_pid:
             launch.append("--save_pid=1")
+        if job.log_level:
+            launch.append(f"--log_level={job.log_level}")
         launch += [job.user_script, *job.user_args]
         steps = [f"export {name}={shlex.quote(value)}" for name, value in job.exports.items()]
         if job.venv_script:
@@ -344,6 +348,8 @@ class SlurmRunner(MultiNodeRunner):
             str(per_node),
         ]
         tail = ["--kill-on-bad-exit=1", "--export=ALL", *self.job.launcher_args]
+        if self.job.comment:
+            tail.insert(0, f"--comment={self.job.comment}")
         return [*head, *nodelist, *tail, *self.rank_program()]
 
     def env(self) -> dict[str, str]:

@@ -37,6 +37,9 @@ from deepspeed.launcher.hostfile import (
 )
 from deepspeed.launcher.launch import (
     LaunchSpec,
+    add_log_level_args,
+    apply_log_level,
+    check_cores_available,
     launch_local,
     node_layout,
     parse_core_list,
@@ -102,7 +105,7 @@ def _add_multinode_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no_ssh_check", action="store_true", help="accepted; no ssh check is made")
     parser.add_argument("--venv_script", default=None, help="script every node sources first (pdsh, ssh)")
-    parser.add_argument("--comment", default="", help="accepted; unused")
+    parser.add_argument("--comment", default="", help="srun's --comment (the Slurm launcher), as upstream")
 
 
 def _add_process_args(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_resource_args(parser)
     _add_multinode_args(parser)
+    add_log_level_args(parser)
     _add_process_args(parser)
     return parser
 
@@ -239,7 +243,10 @@ def local_master_port(requested: Optional[int]) -> int:
 def _rank_cores(ns: argparse.Namespace, num_procs: int) -> Optional[list[list[int]]]:
     if not (ns.bind_cores_to_rank or ns.bind_core_list):
         return None
-    cores = parse_core_list(ns.bind_core_list) if ns.bind_core_list else sorted(os.sched_getaffinity(0))
+    if ns.bind_core_list:
+        cores = check_cores_available(parse_core_list(ns.bind_core_list))  # the ranks run here
+    else:
+        cores = sorted(os.sched_getaffinity(0))
     return split_cores(cores, num_procs)
 
 
@@ -317,6 +324,8 @@ def build_runner(ns: argparse.Namespace, pool: ResourcePool) -> MultiNodeRunner:
         save_pid=ns.save_pid,
         bind_cores_to_rank=ns.bind_cores_to_rank,
         bind_core_list=ns.bind_core_list,
+        log_level="error" if ns.quiet else ns.log_level,
+        comment=ns.comment,
         num_nodes=max(ns.num_nodes, 0),
         ntasks_per_node=max(ns.num_gpus, 0),
     )
@@ -341,15 +350,23 @@ def plan(ns: argparse.Namespace):
     """What to run: a LaunchSpec for this node, or a MultiNodeRunner for the cluster."""
     check_supported(ns)
     if _slurm_allocation(ns):
-        return build_runner(ns, {})
-    pool, from_hostfile = resolve_pool(ns)
-    if ns.no_ssh:
-        return build_node_spec(ns, pool)
-    if from_hostfile and (len(pool) > 1 or ns.force_multi):
-        return build_runner(ns, pool)
-    if ns.force_multi:
-        raise ValueError(f"--force_multi needs a hostfile; {ns.hostfile} does not exist")
-    return build_spec(ns)
+        job = build_runner(ns, {})
+    else:
+        pool, from_hostfile = resolve_pool(ns)
+        if ns.no_ssh:
+            job = build_node_spec(ns, pool)
+        elif from_hostfile and (len(pool) > 1 or ns.force_multi):
+            job = build_runner(ns, pool)
+        elif ns.force_multi:
+            raise ValueError(f"--force_multi needs a hostfile; {ns.hostfile} does not exist")
+        else:
+            job = build_spec(ns)
+    if ns.comment and not (isinstance(job, MultiNodeRunner) and job.name == "slurm"):
+        raise ValueError(
+            f"--comment={ns.comment!r} is passed to srun, and this job does not run through Slurm "
+            "(--launcher slurm on more than one node); drop it"
+        )
+    return job
 
 
 def run_multinode(runner: MultiNodeRunner) -> int:
@@ -362,16 +379,20 @@ def run_multinode(runner: MultiNodeRunner) -> int:
 
 
 def main(args: Optional[list[str]] = None) -> int:
-    """Entry point of the `deepspeed` console script; returns the exit code."""
+    """Entry point of the `deepspeed` console script (and `ds`): 0 when every rank succeeded;
+    otherwise raises `SystemExit` with the job's exit code, as upstream's `main` does, so a
+    program that calls it and ignores the result still stops on a failed job."""
     parser = build_parser()
     ns = parser.parse_args(args)
+    apply_log_level(ns)
     try:
         job = plan(ns)
     except ValueError as err:
         parser.error(str(err))  # exits with status 2 and "deepspeed: error: ..."
-    if isinstance(job, LaunchSpec):
-        return launch_local(job)
-    return run_multinode(job)
+    code = launch_local(job) if isinstance(job, LaunchSpec) else run_multinode(job)
+    if code:
+        raise SystemExit(code)
+    return 0
 
 
 if __name__ == "__main__":

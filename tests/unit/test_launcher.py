@@ -5,7 +5,9 @@ out of the launcher, on a helper script that does not import torch either, so ea
 costs a fraction of a second.
 """
 
+import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -141,6 +143,82 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path):
         assert (tmp_path / f"rank{rank}.got").read_text() == str(int(signal.SIGTERM))
 
 
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_end_with_a_launcher_killed_outright(tmp_path):
+    """Each rank has its own session, so a SIGKILLed launcher forwards nothing; the ranks
+    asked the kernel (follow_launcher) to be ended when it dies, and are."""
+    proc = subprocess.Popen(
+        launcher_cmd("--num_procs", "2", RANK_SCRIPT, "--mode", "follow", "--dir", str(tmp_path)),
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids = []
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.05)
+        pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]
+        proc.kill()
+        proc.wait()
+        assert all(_wait_gone(pid, 10.0) for pid in pids), f"ranks {pids} outlived their launcher"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_rank_whose_launcher_is_gone_does_not_join(monkeypatch):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setenv(launch.LAUNCHER_PID_ENV, str(gone.pid))
+    if sys.platform.startswith("linux"):
+        with pytest.raises(
+            RuntimeError, match=f"launcher \\(pid {gone.pid}\\) that started this rank has exited"
+        ):
+            launch.follow_launcher()
+    monkeypatch.setenv(launch.LAUNCHER_PID_ENV, str(os.getppid()))  # alive, not our parent: a wrapper
+    launch.follow_launcher()
+
+
+def test_main_raises_systemexit_on_a_failed_job_and_applies_the_log_level(tmp_path):
+    """As upstream's runner.main: a failed job raises SystemExit with its code (a caller that
+    ignores the return value still stops), success returns 0; -q / --log_level set the
+    launcher's log level."""
+    from deepspeed.utils.logging import logger
+
+    level = logger.level
+    try:
+        with pytest.raises(SystemExit) as exc:
+            runner.main(["-q", "--num_procs", "2", RANK_SCRIPT, "--mode", "fail", "--dir", str(tmp_path)])
+        assert exc.value.code == 3
+        assert logger.level == logging.ERROR
+        port = str(get_free_port())
+        args = ["--log_level", "debug", "--num_procs", "1", "--master_port", port, RANK_SCRIPT]
+        assert runner.main(args) == 0
+        assert logger.level == logging.DEBUG
+    finally:
+        logger.setLevel(level)
+    ns, _ = launch._parse_launch_args(["--log_level=info", "--quiet", "train.py"])
+    assert (ns.log_level, ns.quiet) == ("info", True)
+
+
 # ----------------------------------------------------------------------------- bad command lines
 
 BAD_ARGS = [
@@ -159,6 +237,10 @@ BAD_ARGS = [
     (["--bind_core_list", "0", "--num_procs", "2"], "fewer cores than ranks"),
     (["--num_procs", "3"], "these hosts have fewer slots: {'localhost': 2}"),
     (["--bind_core_list", "a-b"], "bad core list"),
+    (
+        ["--bind_core_list", "0,4096", "--num_procs", "2"],
+        "cores [4096] of the core list are not available here",
+    ),
 ]
 
 
@@ -206,6 +288,12 @@ def test_local_hostfile_and_include_exclude(tmp_path):
     assert pool("-i", "localhost:0,2") == {"localhost": [0, 2]}
     assert pool("-e", "localhost:1") == {"localhost": [0, 2, 3]}
     assert pool("--num_gpus", "2") == {"localhost": [0, 1]}
+    # Open MPI's max_slots bounds oversubscription: accepted when it allows the slots.
+    from deepspeed.launcher.hostfile import parse_hostfile_text
+
+    assert parse_hostfile_text("a slots=2 max_slots=4\nb slots=2") == {"a": 2, "b": 2}
+    with pytest.raises(ValueError, match="line 1 .*max_slots=M' with M >= slots, got 'max_slots=1'"):
+        parse_hostfile_text("a slots=2 max_slots=1")
 
 
 def test_no_hostfile_means_this_machine():

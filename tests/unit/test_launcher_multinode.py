@@ -265,6 +265,11 @@ def test_plan_slurm_allocation_without_hostfile(tmp_path, monkeypatch):
     args = ["-H", str(tmp_path / "none"), "--launcher", "slurm", "--num_nodes", "2", "--num_gpus", "4"]
     r = runner.plan(runner.parse_args([*args, str(tmp_path / "t.py")]))
     assert r.command()[:7] == ["srun", "-n", "8", "--nodes", "2", "--ntasks-per-node", "4"]
+    # --comment goes to srun, as upstream; a job that is not srun's refuses it.
+    r = runner.plan(runner.parse_args([*args, "--comment", "run 7", str(tmp_path / "t.py")]))
+    assert r.command()[7] == "--comment=run 7"
+    with pytest.raises(ValueError, match="--comment='run 7' is passed to srun"):
+        _plan(tmp_path, "--launcher", "ssh", "--comment", "run 7")
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 report:     print one JSON line with the rank's environment and arguments.
 fail:       rank 0 records its pid and sleeps 60 s; rank 1 waits for that, then exits 3.
 sigterm:    record a ready marker, sleep until SIGTERM arrives, record it, exit 0.
+follow:     call deepspeed's follow_launcher() (as init_distributed does), record the pid, sleep 60 s.
 """
 
 import argparse
@@ -30,7 +31,7 @@ def write(path: str, text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=None)
-    parser.add_argument("--mode", default="report", choices=["report", "fail", "sigterm"])
+    parser.add_argument("--mode", default="report", choices=["report", "fail", "sigterm", "follow"])
     parser.add_argument("--dir", default=None)
     args, rest = parser.parse_known_args()
     rank = int(os.environ["RANK"])
@@ -41,6 +42,12 @@ def main() -> None:
         # One write per line: two ranks share the pipe, and print() writes text and newline apart.
         sys.stdout.write(json.dumps(report) + "\n")
         sys.stdout.flush()
+    elif args.mode == "follow":
+        from deepspeed.launcher.launch import follow_launcher
+
+        follow_launcher()
+        write(os.path.join(args.dir, f"rank{rank}.pid"), str(os.getpid()))
+        time.sleep(60)
     elif args.mode == "fail":
         pid_file = os.path.join(args.dir, "rank0.pid")
         if rank == 0:
