@@ -38,7 +38,12 @@ PDSH_MAX_FAN_OUT = 1024
 
 
 def read_env_file(path: str) -> dict[str, str]:
-    """`NAME=value` lines of a `.deepspeed_env` file (blank lines and `#` comments skipped)."""
+    """`NAME=value` lines of a `.deepspeed_env` file (blank lines and `#` comments skipped).
+
+    Spaces around the `=` are dropped, and one pair of matching quotes around the value
+    (`B="a b"` is `a b`). `$NAME` in a value stays as written here: the shell on each node
+    expands it (`PATH=/opt/bin:$PATH`), see `shell_export`.
+    """
     found: dict[str, str] = {}
     with open(path) as f:
         for number, raw in enumerate(f, start=1):
@@ -48,8 +53,22 @@ def read_env_file(path: str) -> dict[str, str]:
             name, sep, value = line.partition("=")
             if not sep or not name.strip().isidentifier():
                 raise ValueError(f"{path}, line {number} ({line!r}): expected NAME=value")
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+                value = value[1:-1]
             found[name.strip()] = value
     return found
+
+
+def shell_export(name: str, value: str) -> str:
+    """`export NAME="value"` for a node's shell: spaces and quotes kept, `$VAR` expanded there.
+
+    As upstream's pdsh and ssh commands do, the node's shell expands variable references, so
+    `PATH=/opt/bin:$PATH` extends that node's PATH. Backslashes, double quotes, backticks and
+    `$(` are escaped, so no command in a value runs (upstream's unquoted export would run it).
+    """
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`").replace("$(", "\\$(")
+    return f'export {name}="{escaped}"'
 
 
 def collect_exports(
@@ -195,7 +214,7 @@ class PerNodeLauncherRunner(MultiNodeRunner):
         if job.log_level:
             launch.append(f"--log_level={job.log_level}")
         launch += [job.user_script, *job.user_args]
-        steps = [f"export {name}={shlex.quote(value)}" for name, value in job.exports.items()]
+        steps = [shell_export(name, value) for name, value in job.exports.items()]
         if job.venv_script:
             steps.append(f"source {shlex.quote(job.venv_script)}")
         steps.append(f"cd {shlex.quote(job.cwd)}")

@@ -301,6 +301,14 @@ def build_node_spec(ns: argparse.Namespace, pool: ResourcePool) -> LaunchSpec:
     )
 
 
+def _with_cwd_on_pythonpath(exports: dict[str, str]) -> dict[str, str]:
+    """Every node's PYTHONPATH starts with the directory the job was launched from, as upstream's:
+    the script's own imports of modules beside it work on every node."""
+    here = os.path.abspath(os.getcwd())
+    rest = exports.get("PYTHONPATH")
+    return {**exports, "PYTHONPATH": here if not rest else f"{here}:{rest}"}
+
+
 def build_runner(ns: argparse.Namespace, pool: ResourcePool) -> MultiNodeRunner:
     """A job on every host of `pool`, started through `--launcher`.
 
@@ -313,7 +321,7 @@ def build_runner(ns: argparse.Namespace, pool: ResourcePool) -> MultiNodeRunner:
         user_args=list(ns.user_args),
         master_addr=ns.master_addr or (next(iter(pool)) if pool else ""),
         master_port=ns.master_port if ns.master_port is not None else DEFAULT_MASTER_PORT,
-        exports=collect_exports(),
+        exports=_with_cwd_on_pythonpath(collect_exports()),
         launcher_args=shlex.split(ns.launcher_args),
         module=ns.module,
         no_python=ns.no_python,

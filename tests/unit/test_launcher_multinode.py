@@ -126,6 +126,12 @@ def test_exports_prefixes_and_env_files(tmp_path):
         "A": "home",
         "B": "cwd with spaces",
     }
+    (cwd / ".deepspeed_env").write_text('Q="a b"\nS = spaced \nP=/opt/bin:$HOME\n')
+    assert multinode_runner.collect_exports({}, [str(cwd)]) == {
+        "Q": "a b",
+        "S": "spaced",
+        "P": "/opt/bin:$HOME",
+    }
     (cwd / ".deepspeed_env").write_text("GOOD=1\nnot a pair\n")
     with pytest.raises(ValueError, match=r"\.deepspeed_env, line 2 \('not a pair'\): expected NAME=value"):
         multinode_runner.collect_exports({}, [str(cwd)])
@@ -149,13 +155,31 @@ def job(**kw) -> JobSpec:
     return JobSpec(**base)
 
 
+def test_exports_expand_variables_on_the_node_and_run_nothing():
+    """Through a real shell: `$HOME` is the node's, quotes and spaces are kept, and a command
+    substitution or backtick in a value stays text."""
+    values = {"P": "/opt/bin:$HOME", "Q": 'say "hi" there', "R": "`id` $(id) \\n $((1+1))"}
+    script = "; ".join(multinode_runner.shell_export(k, v) for k, v in values.items())
+    script += '; printf "%s\\n" "$P" "$Q" "$R"'
+    out = subprocess.run(["bash", "-c", script], env={"HOME": "/node/home"}, capture_output=True, text=True)
+    assert out.stdout.splitlines() == ["/opt/bin:/node/home", 'say "hi" there', "`id` $(id) \\n $((1+1))"], (
+        out
+    )
+
+
+def test_cwd_leads_every_nodes_pythonpath(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert runner._with_cwd_on_pythonpath({"PYTHONPATH": "/p"})["PYTHONPATH"] == f"{tmp_path}:/p"
+    assert runner._with_cwd_on_pythonpath({})["PYTHONPATH"] == str(tmp_path)
+
+
 def test_pdsh_command():
     r = multinode_runner.PDSHRunner(job(ssh_port=2222, launcher_args=["-R", "ssh"]))
     cmd = r.command()
     assert cmd[:8] == ["pdsh", "-S", "-f", "1024", "-w", "w0,w1", "-R", "ssh"]
     remote = cmd[8]
     assert remote.startswith(
-        "export NCCL_DEBUG=INFO; export X='a b'; cd '/work dir'; /py -u -m deepspeed.launcher.launch"
+        'export NCCL_DEBUG="INFO"; export X="a b"; cd \'/work dir\'; /py -u -m deepspeed.launcher.launch'
     )
     assert "--node_rank=%n --master_addr=w0 --master_port=1234 train.py --lr 0.1" in remote
     assert "--stop_on_stdin_eof" not in remote
