@@ -27,6 +27,7 @@ from typing import Optional
 
 from deepspeed.launcher.hostfile import ResourcePool, encode_world_info
 from deepspeed.launcher.launch import ChildSpec
+from deepspeed.utils.logging import logger
 
 # Variables whose names start with one of these are exported to every node, as upstream does
 # (plus GLOO_ for CPU jobs and DEEPSPEED_ for the collective timeout).
@@ -35,6 +36,12 @@ EXPORT_PREFIXES = ("NCCL_", "PYTHON", "UCX_", "FI_", "CUDA_", "MV2_", "MLFLOW", 
 NOT_EXPORTED = ("CUDA_VISIBLE_DEVICES", "PYTHONHASHSEED", "PYTHONSTARTUP")
 DEEPSPEED_ENV_FILE = os.getenv("DS_ENV_FILE", ".deepspeed_env")
 PDSH_MAX_FAN_OUT = 1024
+STOP_REMOTE_TIMEOUT_S = 30  # the pkill round through pdsh after a failed or interrupted job
+
+
+def _ere_literal(text: str) -> str:
+    """`text` as a POSIX extended regular expression (pkill's) that matches it literally."""
+    return "".join("\\" + c if c in ".[]()*+?{}|^$\\" else c for c in text)
 
 
 def read_env_file(path: str) -> dict[str, str]:
@@ -148,6 +155,9 @@ class MultiNodeRunner:
     def cleanup(self) -> None:
         """Remove what `children()` wrote (temporary hostfiles)."""
 
+    def stop_remote(self) -> None:
+        """After a failed or interrupted job: end what may still run on the nodes (see PDSHRunner)."""
+
     # -- pieces shared by the subclasses
 
     def python_exec(self) -> list[str]:
@@ -245,6 +255,28 @@ class PDSHRunner(PerNodeLauncherRunner):
 
     def children(self) -> list[ChildSpec]:
         return [ChildSpec(name="pdsh", cmd=self.command(), env=self.env())]
+
+    def stop_remote(self) -> None:
+        """`pdsh -w hosts pkill -f <this job's launcher command>`, as upstream's runner does.
+
+        Ending the local pdsh does not reach the nodes: their launchers keep running (pdsh
+        passes no stdin, so the ssh runner's lifeline is not available). So after a failure or
+        a signal the runner asks every node to terminate this job's per-node launcher, which
+        ends its ranks; the pattern holds the job's world info and master port, so other
+        jobs on the nodes are not matched.
+        """
+        job = self.job
+        marker = (
+            f"deepspeed.launcher.launch --world_info={encode_world_info(job.pool)} --node_rank="
+        )
+        port = f"--master_addr={job.master_addr} --master_port={job.master_port}"
+        pattern = _ere_literal(marker) + "[0-9]+ " + _ere_literal(port)
+        cmd = ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(job.hosts), *job.launcher_args]
+        cmd.append(f"pkill -f {shlex.quote(pattern)}")
+        try:
+            subprocess.run(cmd, env=self.env(), capture_output=True, timeout=STOP_REMOTE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            logger.warning(f"pdsh: could not stop the nodes' launchers ({err}); check {job.hosts} by hand")
 
 
 class SSHRunner(PerNodeLauncherRunner):

@@ -380,10 +380,14 @@ def plan(ns: argparse.Namespace):
 def run_multinode(runner: MultiNodeRunner) -> int:
     children = runner.children()
     logger.info(f"{runner.name}: starting {runner.job.world_size} ranks on {runner.job.hosts}")
+    code = None
     try:
-        return supervise(children)
+        code = supervise(children)
+        return code
     finally:
         runner.cleanup()
+        if code != 0:  # failed, interrupted, or the runner itself raised: the nodes may still run
+            runner.stop_remote()
 
 
 def main(args: Optional[list[str]] = None) -> int:

@@ -214,6 +214,34 @@ def test_failure_on_one_node_ends_every_node_pdsh(tmp_path):
     _assert_gone(int((cluster.out / "rank0.pid").read_text()))
 
 
+def test_interrupting_the_pdsh_runner_ends_every_node(tmp_path):
+    """SIGINT to the runner: the local pdsh ends, which does not reach the nodes (pdsh gives
+    them no stdin), so the runner has every node pkill this job's launcher, which ends its ranks."""
+    cluster = FakeCluster(tmp_path, 1)
+    cmd = cluster.command("--launcher", "pdsh", mode="fail", script_args=["--fail_rank", "99"])
+    proc = subprocess.Popen(
+        cmd, env=cluster.env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    pids = []
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while len(pids) < cluster.world:  # every rank passed init and the barrier: all sleep now
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+            pids = [int(p.read_text()) for p in cluster.out.glob("rank*.pid") if p.read_text()]
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=RUN_TIMEOUT_S)[0]
+        assert proc.returncode == 130, out
+        for pid in pids:
+            _assert_gone(pid)
+        assert any("pkill -f" in argv[-1] for argv in cluster.calls("pdsh")), cluster.calls("pdsh")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_missing_program_is_named(tmp_path):
     cluster = FakeCluster(tmp_path, 1)
     (cluster.bin / "srun").unlink()
