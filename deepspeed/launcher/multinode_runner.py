@@ -266,9 +266,7 @@ class PDSHRunner(PerNodeLauncherRunner):
         jobs on the nodes are not matched.
         """
         job = self.job
-        marker = (
-            f"deepspeed.launcher.launch --world_info={encode_world_info(job.pool)} --node_rank="
-        )
+        marker = f"deepspeed.launcher.launch --world_info={encode_world_info(job.pool)} --node_rank="
         port = f"--master_addr={job.master_addr} --master_port={job.master_port}"
         pattern = _ere_literal(marker) + "[0-9]+ " + _ere_literal(port)
         cmd = ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(job.hosts), *job.launcher_args]
