@@ -78,6 +78,12 @@ NAMES = [
     "git_branch",
     "__git_hash__",
     "__git_branch__",
+    "runtime.zero.unwrap_model_for_generation",
+    "runtime.zero.ZeroParamType",
+    "runtime.zero.utils.is_zero_param",
+    "runtime.utils.see_memory_usage",
+    "runtime.utils.move_to_device",
+    "utils.timer.SynchronizedWallClockTimer",
 ]
 
 

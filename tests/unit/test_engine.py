@@ -173,6 +173,34 @@ class TestEngineParity(DistributedTest):
         assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
 
     @run_on(2)
+    def test_upstreams_unwrap_model_for_generation(self):
+        """`deepspeed.runtime.zero.unwrap_model_for_generation(engine)`, upstream's own: inside,
+        every parameter is gathered and no hook runs; after it (also after an error inside) the
+        hooks are back, nothing stays gathered, and training matches the plain run."""
+        from deepspeed.runtime.zero import unwrap_model_for_generation
+
+        data = batches(4, seed=6)
+        reference, ref_losses = reference_run(data)
+        engine, losses = engine_run(data[:2])
+        ids, labels = data[0]
+        with unwrap_model_for_generation(engine) as unwrapped:
+            assert unwrapped is engine
+            assert all(p.ds_status is ZeroParamStatus.AVAILABLE for p in engine.module.parameters())
+            assert not any(m._forward_pre_hooks or m._forward_hooks for m in engine.module.modules())
+            with torch.no_grad():
+                bare = engine.module(my_slice(ids), my_slice(labels))
+        assert all(len(m._forward_pre_hooks) == 1 for m in engine.module.modules())
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+        with torch.no_grad():
+            assert torch.equal(bare, engine.module(my_slice(ids), my_slice(labels)))
+        with pytest.raises(KeyError):
+            with unwrap_model_for_generation(engine):
+                raise KeyError("inside")
+        assert all(len(m._forward_pre_hooks) == 1 for m in engine.module.modules())
+        losses += train(engine, data[2:])
+        assert_parity(engine, losses, reference, ref_losses)
+
+    @run_on(2)
     def test_gan_loop_discards_the_other_models_gradients_on_zero_grad(self):
         """A conditional GAN step: the generator's loss backpropagates through the
         discriminator, whose gradients from it are dropped by its zero_grad before its own

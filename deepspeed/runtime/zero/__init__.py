@@ -13,6 +13,8 @@ _PUBLIC = {  # name -> the module that defines it
     "register_external_parameter": "deepspeed.runtime.zero.partition_parameters",
     "unregister_external_parameter": "deepspeed.runtime.zero.partition_parameters",
     "ZeroParamStatus": "deepspeed.runtime.zero.param_state",
+    "ZeroParamType": "deepspeed.runtime.zero.param_state",
+    "unwrap_model_for_generation": "deepspeed.runtime.zero.stage3",
     "TiledLinear": "deepspeed.runtime.zero.tiling",
     "TiledLinearReturnBias": "deepspeed.runtime.zero.tiling",
 }

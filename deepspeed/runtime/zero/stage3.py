@@ -39,6 +39,7 @@ for the same master before that settles the first two.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Optional
 
@@ -573,3 +574,26 @@ class ZeroStage3Optimizer(ZeROOptimizer):
 class DeepSpeedZeroOptimizer_Stage3(ZeroStage3Optimizer):  # noqa: N801 - upstream's name
     """The engine's optimizer at stage 3, under upstream's class name, so that code checking
     `isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)` sees what it expects."""
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: Any):
+    """Upstream's context for fast generation with a ZeRO-3 engine: every parameter gathered
+    once, and the engine's per-submodule hooks off, so a generate loop runs as on a plain model.
+
+    `model` is the engine. The hooks come back when the block ends, also when it raises
+    (upstream's leaves them off then). At stages 0-2 the parameters are whole already and
+    this only yields the engine.
+    """
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    coordinator = getattr(model, "coordinator", None)  # the engine's hooks (stage 3); None at stages 0-2
+    with GatheredParameters(list(model.parameters())):
+        if coordinator is None:
+            yield model
+            return
+        coordinator.remove_hooks()
+        try:
+            yield model
+        finally:
+            coordinator._register_deepspeed_module(coordinator.module)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from deepspeed.runtime.zero.param_state import is_zero_param  # noqa: F401 - upstream's import path
+
 
 class ZeRORuntimeException(Exception):
     """A ZeRO setup that cannot run, by upstream's name (code that catches it keeps working)."""
