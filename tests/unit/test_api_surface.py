@@ -410,9 +410,31 @@ def test_live_estimates_count_the_model():
     assert model_to_params(model) == (325, 220)
     z2 = estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=2)
     assert z2[0]["gpu_mem"] == 2 * 325 and z2[0]["cpu_mem"] == int(325 * 16 * 1.5)
-    assert z2[1]["gpu_mem"] == 4 * 325 + int(16 * 325 / 2) and z2[1]["cpu_mem"] == int(325 * 4 * 2 * 1.5)
+    assert z2[1]["gpu_mem"] == 2 * 325 + int(18 * 325 / 2) and z2[1]["cpu_mem"] == int(325 * 4 * 2 * 1.5)
     z3 = estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=2)
     assert z3[4]["gpu_mem"] == 4 * 220 + int(18 * 325 / 2)
+
+
+def test_estimates_match_upstreams_numbers():
+    """The figures upstream 0.19.8 gives (read off its functions): per node, offloaded state is
+    split over the nodes; ZeRO-2 keeps 16-bit parameters whole and shares the 18 bytes."""
+    from deepspeed.runtime.zero.estimators import (
+        estimate_zero2_model_states_mem_needs,
+        estimate_zero3_model_states_mem_needs,
+    )
+
+    p, layer = 10**9, 10**7
+    assert estimate_zero3_model_states_mem_needs(p, layer, 8, 2) == (13_500_000_000, 40_000_000, 40_000_000)
+    assert estimate_zero3_model_states_mem_needs(p, layer, 8, 2, True, False) == (
+        12_000_000_000,
+        40_000_000 + 125_000_000,
+        40_000_000,
+    )
+    assert estimate_zero3_model_states_mem_needs(p, layer, 8, 2, zero_init=False)[0] == 48_000_000_000
+    assert estimate_zero2_model_states_mem_needs(p, 8, 2, cpu_offload=False) == (
+        48_000_000_000,
+        3_125_000_000,
+    )
 
 
 # ============================================================================ MoE and pipeline layers

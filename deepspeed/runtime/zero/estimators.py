@@ -1,19 +1,22 @@
 """Memory estimates for model states (parameters, gradients, optimizer states) per GPU and CPU.
 
-Upstream's documented formulas, in bytes, for `P` total parameters, `L` parameters of the
-largest layer (module), `G = num_gpus_per_node * num_nodes` GPUs and a host buffer factor
-`b` (default 1.5). Mixed precision with Adam: 2 bytes per 16-bit parameter and gradient,
-16 bytes per fp32 master + momentum + variance (+2 more when ZeRO-3 offloads parameters too).
+Upstream 0.19's formulas, in bytes, for `P` total parameters, `L` parameters of the
+largest layer (module), `G = num_gpus_per_node * num_nodes` GPUs, `N = num_nodes` and a host
+buffer factor `b` (default 1.5); CPU figures are per node. Mixed precision with Adam: 2 bytes
+per 16-bit parameter and gradient, 16 bytes per fp32 master + momentum + variance (+2 more
+when ZeRO-3 offloads parameters too).
 
 ZeRO-2 (`estimate_zero2_*`):
 - offload_optimizer=cpu: GPU `2P`; CPU `P * max(4G, 16) * b`
-- offload_optimizer=none: GPU `4P + 16P/G`; CPU `4P * num_gpus_per_node * b`
+- offload_optimizer=none: GPU `2P + 18P/G` (16-bit parameters, and per GPU its share of
+  16-bit and fp32 gradients, fp32 masters and Adam state); CPU `4P * num_gpus_per_node * b`
 
-ZeRO-3 (`estimate_zero3_*`), with the largest layer gathered in fp32-sized room `4L`:
+ZeRO-3 (`estimate_zero3_*`), with the largest layer gathered in fp32-sized room `4L`; with
+offload, each node's CPU holds its nodes' share (`/ N`):
 - offload_param=cpu, offload_optimizer=cpu: GPU `4L`;
-  CPU `18P * b` with zero_init, else `P * max(4 * num_gpus_per_node, 18) * b`
+  CPU `18P/N * b` with zero_init, else `P * max(4 * num_gpus_per_node, 18/N) * b`
 - offload_param=none, offload_optimizer=cpu: GPU `4L + 2P/G`;
-  CPU `16P * b` with zero_init, else `P * max(4 * num_gpus_per_node, 16) * b`
+  CPU `16P/N * b` with zero_init, else `P * max(4 * num_gpus_per_node, 16/N) * b`
 - offload_param=none, offload_optimizer=none: GPU `4L + 18P/G`;
   CPU `4L * num_gpus_per_node * b` with zero_init, else `4P * num_gpus_per_node * b`
 
@@ -63,7 +66,7 @@ def estimate_zero2_model_states_mem_needs(
         gpu_mem = 2 * total_params
         cpu_mem = total_params * max(4 * gpus, 16) * additional_buffer_factor
     else:
-        gpu_mem = 4 * total_params + int(16 * total_params / gpus)
+        gpu_mem = 2 * total_params + int(18 * total_params / gpus)
         cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
     return int(cpu_mem), int(gpu_mem)
 
@@ -110,13 +113,14 @@ def estimate_zero3_model_states_mem_needs(
     gpus = num_gpus_per_node * num_nodes
     largest_layer_memory = 4 * largest_layer_params
     per_node = num_gpus_per_node
+    node_share = 1 / num_nodes  # offloaded state: each node's CPU holds its ranks' part
     if cpu_offload and cpu_offload_params:
         gpu_mem = largest_layer_memory
-        factor = 18 if zero_init else max(4 * per_node, 18)
+        factor = 18 * node_share if zero_init else max(4 * per_node, 18 * node_share)
         cpu_mem = total_params * factor * additional_buffer_factor
     elif cpu_offload:
         gpu_mem = largest_layer_memory + int(2 * total_params / gpus)
-        factor = 16 if zero_init else max(4 * per_node, 16)
+        factor = 16 * node_share if zero_init else max(4 * per_node, 16 * node_share)
         cpu_mem = total_params * factor * additional_buffer_factor
     else:
         gpu_mem = largest_layer_memory + int(18 * total_params / gpus)
