@@ -146,7 +146,10 @@ class TestInitParity(DistributedTest):
         with deepspeed.zero.Init():
             layer = nn.Linear(4, 3)
         w = layer.weight
-        assert w.ds_process_group is None and w.ds_persist is False
+        assert w.ds_process_group is dist.get_world_group() and w.ds_persist is False
+        world = dist.get_world_group()
+        with pytest.raises(ValueError, match="both data_parallel_group and sequence_data_parallel_group"):
+            deepspeed.zero.Init(data_parallel_group=world, sequence_data_parallel_group=world)
         assert w.ds_active_sub_modules == set()
         summary = w.ds_summary()
         assert summary["ds_shape"] == (3, 4) and summary["status"] == "NOT_AVAILABLE"

@@ -538,7 +538,14 @@ class ZeroParameter(nn.Parameter):
 
     @property
     def ds_process_group(self) -> Any:
-        return self._zero_state.group
+        """The group the parameter is partitioned over; the world group when Init was given none,
+        as upstream's attribute holds it (`p.ds_process_group == dist.get_world_group()`)."""
+        group = self._zero_state.group
+        if group is None:
+            from deepspeed import comm as dist
+
+            group = dist.get_world_group()
+        return group
 
     @property
     def ds_active_sub_modules(self) -> set:

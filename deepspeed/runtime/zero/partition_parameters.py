@@ -445,6 +445,11 @@ class Init:
     @staticmethod
     def _choose_group(data_parallel_group, mpu, sequence_data_parallel_group):
         if sequence_data_parallel_group is not None:
+            if data_parallel_group is not None:  # as upstream: which one would win is a guess
+                raise ValueError(
+                    "zero.Init: both data_parallel_group and sequence_data_parallel_group were given; pass only "
+                    "data_parallel_group (sequence_data_parallel_group is upstream's deprecated name for it)"
+                )
             return sequence_data_parallel_group
         if data_parallel_group is not None:
             return data_parallel_group
