@@ -180,6 +180,13 @@ class TestInitParity(DistributedTest):
         layer.weight.all_gather_coalesced([layer.weight]).wait()
         w.partition()
         assert w.ds_status is ZeroParamStatus.NOT_AVAILABLE and w.data.shape == (0,)
+        # ds_persist, settable as upstream's: a persistent parameter stays gathered once gathered.
+        w.ds_persist = True
+        w.all_gather()
+        w.partition()
+        assert w.ds_status is ZeroParamStatus.AVAILABLE and w.data.shape == (3, 4)
+        w.ds_persist = False  # nobody holds it: freed at once
+        assert w.ds_status is ZeroParamStatus.NOT_AVAILABLE and w.data.shape == (0,)
 
     def test_item_gathers_a_partitioned_scalar(self):
         """`param.item()` reads the value of a partitioned one-element parameter (upstream

@@ -536,6 +536,17 @@ class ZeroParameter(nn.Parameter):
     def ds_persist(self) -> bool:
         return self._zero_state.persist
 
+    @ds_persist.setter
+    def ds_persist(self, value: bool) -> None:
+        """Upstream's switch: a persistent parameter stays gathered once gathered (the next
+        gather keeps it); switching it off frees a gathered one nobody holds."""
+        state = self._zero_state
+        state.persist = bool(value)
+        if not state.persist and state.status is ZeroParamStatus.AVAILABLE and not state.holds:
+            from deepspeed.runtime.zero import gather
+
+            gather.release_unheld([state])
+
     @property
     def ds_process_group(self) -> Any:
         """The group the parameter is partitioned over; the world group when Init was given none,
