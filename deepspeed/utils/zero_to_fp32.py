@@ -162,20 +162,6 @@ class LazyFullTensor:
         return f"LazyFullTensor({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
-def _lazy_state_dict(ckpt: ShardedCheckpoint, exclude_frozen_parameters: bool) -> OrderedDict:
-    """`fp32_state_dict`'s keys, parameters as `LazyFullTensor`s (tied names share one)."""
-    out: OrderedDict = OrderedDict()
-    for meta in ckpt.params.values():
-        if not (exclude_frozen_parameters and not meta.requires_grad):
-            out[meta.name] = LazyFullTensor(ckpt, meta.name)
-    for alias, canonical in ckpt.engine_entry("shared_params") or []:
-        if canonical in out:
-            out[alias] = out[canonical]
-    for name, buf in (ckpt.engine_entry("buffers") or {}).items():
-        out[name] = buf.to(torch.float32, copy=True) if buf.is_floating_point() else buf.clone()
-    return out
-
-
 def get_fp32_state_dict_from_zero_checkpoint(
     checkpoint_dir: str,
     tag: Optional[str] = None,
@@ -196,8 +182,8 @@ def get_fp32_state_dict_from_zero_checkpoint(
     positional call written for upstream cannot switch it on; see the module docstring).
     """
     ckpt = ShardedCheckpoint.open(_tag_dir(checkpoint_dir, tag), trust_checkpoint)
-    if lazy_mode:
-        return _lazy_state_dict(ckpt, exclude_frozen_parameters)
+    if lazy_mode:  # tied names share one LazyFullTensor, as they share one tensor otherwise
+        return ckpt.fp32_state_dict(exclude_frozen_parameters, weight=lambda name: LazyFullTensor(ckpt, name))
     return ckpt.fp32_state_dict(exclude_frozen_parameters, progress=_progress)
 
 

@@ -782,8 +782,18 @@ class ShardedCheckpoint:
         source = self.model_states[rank if rank < self.world_size else 0]
         return dict(source.get("client_state") or {})
 
-    def fp32_state_dict(self, exclude_frozen_parameters: bool = False, progress: Optional[Callable] = None):
-        """An OrderedDict of full fp32 parameters (tied names included) and buffers."""
+    def fp32_state_dict(
+        self,
+        exclude_frozen_parameters: bool = False,
+        progress: Optional[Callable] = None,
+        weight: Optional[Callable] = None,
+    ):
+        """An OrderedDict of full fp32 parameters (tied names included) and buffers.
+
+        `weight(name)` makes each parameter's entry (default `full_weight`: the tensor;
+        zero_to_fp32's lazy mode puts an object there that builds it when asked).
+        """
+        weight = self.full_weight if weight is None else weight
         out: OrderedDict = OrderedDict()
         metas: Iterable = list(self.params.values())
         if progress is not None:
@@ -791,7 +801,7 @@ class ShardedCheckpoint:
         for meta in metas:
             if exclude_frozen_parameters and not meta.requires_grad:
                 continue
-            out[meta.name] = self.full_weight(meta.name)
+            out[meta.name] = weight(meta.name)
         for alias, canonical in self.engine_entry("shared_params") or []:
             if canonical in out:
                 out[alias] = out[canonical]
