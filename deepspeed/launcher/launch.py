@@ -39,7 +39,6 @@ extra port, no shared file system, and a dead runner cannot leave ranks behind. 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -48,7 +47,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from deepspeed.launcher.hostfile import decode_world_info
 from deepspeed.utils.logging import logger
@@ -73,7 +72,9 @@ class LaunchSpec:
     log_dir: Optional[str] = None  # one `rank<N>.log` per rank instead of inheriting stdout
     rank_cores: Optional[list[list[int]]] = None  # CPU cores per local rank, when binding
     visible_devices: Optional[dict[str, str]] = None  # e.g. {"CUDA_VISIBLE_DEVICES": "0,2"}
-    save_pid: bool = False  # write the rank pids to <tmp>/<launcher pid>.ds
+    # Upstream's --save_pid: the pid of the `deepspeed` process that started the job (0: off);
+    # this launcher's pid goes to <tmp>/<that pid>.deepspeed while the ranks run.
+    save_pid: int = 0
     grace_s: float = DEFAULT_GRACE_S
     node_rank: int = 0  # this node's index in the job (CROSS_RANK)
     num_nodes: int = 1  # nodes in the job (CROSS_SIZE)
@@ -261,10 +262,6 @@ class Supervisor:
         self._logs = []
         self._signal = None
 
-    @property
-    def pids(self) -> list[int]:
-        return [proc.pid for proc in self._procs]
-
     def start(self) -> None:
         for child in self.children:
             self._procs.append(self._start_child(child))
@@ -372,15 +369,12 @@ def supervise(
     children: list[ChildSpec],
     grace_s: float = DEFAULT_GRACE_S,
     watch_stdin: bool = False,
-    on_started: Optional[Callable[[Supervisor], None]] = None,
 ) -> int:
     """Run `children` to completion under one supervisor; return the exit code to use."""
     supervisor = Supervisor(children, grace_s)
     previous = {sig: signal.signal(sig, supervisor.on_signal) for sig in FORWARDED_SIGNALS}
     try:
         supervisor.start()
-        if on_started is not None:
-            on_started(supervisor)
         if watch_stdin:
             _watch_stdin(supervisor)
         return supervisor.wait()
@@ -408,23 +402,27 @@ def rank_children(spec: LaunchSpec) -> list[ChildSpec]:
     ]
 
 
+def pid_file_path(main_pid: int) -> str:
+    """Where `--save_pid` puts this node's launcher pid, as upstream: <tmp>/<main pid>.deepspeed."""
+    return os.path.join(tempfile.gettempdir(), f"{main_pid}.deepspeed")
+
+
 def launch_local(spec: LaunchSpec) -> int:
     """Run this node's ranks; return the exit code the launcher should use."""
-    pid_file = os.path.join(tempfile.gettempdir(), f"{os.getpid()}.ds")
-
-    def write_pids(supervisor: Supervisor) -> None:
+    pid_file = pid_file_path(spec.save_pid) if spec.save_pid else None
+    if pid_file is not None:
+        if os.path.exists(pid_file):
+            raise RuntimeError(
+                f"--save_pid: {pid_file} exists already (another job started by pid {spec.save_pid}?); "
+                "remove it if that job is gone"
+            )
         with open(pid_file, "w") as f:
-            json.dump({"launcher": os.getpid(), "ranks": supervisor.pids}, f)
-
+            f.write(str(os.getpid()))
+        print(f"launcher pid: {os.getpid()}", flush=True)  # upstream's line, for scripts that read it
     try:
-        return supervise(
-            rank_children(spec),
-            spec.grace_s,
-            watch_stdin=spec.stop_on_stdin_eof,
-            on_started=write_pids if spec.save_pid else None,
-        )
+        return supervise(rank_children(spec), spec.grace_s, watch_stdin=spec.stop_on_stdin_eof)
     finally:
-        if spec.save_pid and os.path.exists(pid_file):
+        if pid_file is not None and os.path.exists(pid_file):
             os.remove(pid_file)
 
 
@@ -446,7 +444,12 @@ def _parse_launch_args(args: Optional[list[str]]) -> tuple[argparse.Namespace, a
     parser.add_argument("--no_python", action="store_true")
     parser.add_argument("--no_local_rank", action="store_true")
     parser.add_argument("--enable_each_rank_log", default="None")
-    parser.add_argument("--save_pid", type=int, default=0)
+    parser.add_argument(
+        "--save_pid",
+        type=int,
+        default=0,
+        help="the main `deepspeed` pid: this launcher's pid goes to <tmp>/<it>.deepspeed",
+    )
     parser.add_argument("--bind_cores_to_rank", action="store_true")
     parser.add_argument("--bind_core_list", default=None)
     parser.add_argument(
@@ -499,7 +502,7 @@ def main(args: Optional[list[str]] = None) -> int:
         no_local_rank=ns.no_local_rank,
         log_dir=None if ns.enable_each_rank_log == "None" else ns.enable_each_rank_log,
         rank_cores=rank_cores,
-        save_pid=bool(ns.save_pid),
+        save_pid=ns.save_pid,
         visible_devices=visible,
         node_rank=ns.node_rank,
         num_nodes=num_nodes,

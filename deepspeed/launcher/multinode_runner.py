@@ -111,7 +111,7 @@ class JobSpec:
     ssh_port: Optional[int] = None
     venv_script: Optional[str] = None  # sourced on every node before the launcher runs
     log_dir: Optional[str] = None
-    save_pid: bool = False
+    save_pid: int = 0  # the runner's pid when --save_pid (each node's launcher writes <tmp>/<it>.deepspeed)
     bind_cores_to_rank: bool = False
     bind_core_list: Optional[str] = None
     log_level: Optional[str] = None  # each node's launcher's (--log_level)
@@ -220,7 +220,7 @@ class PerNodeLauncherRunner(MultiNodeRunner):
         if job.log_dir:
             launch.append(f"--enable_each_rank_log={job.log_dir}")
         if job.save_pid:
-            launch.append("--save_pid=1")
+            launch.append(f"--save_pid={job.save_pid}")
         if job.log_level:
             launch.append(f"--log_level={job.log_level}")
         launch += [job.user_script, *job.user_args]

@@ -112,7 +112,9 @@ def _add_process_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--module", action="store_true", help="run user_script as `python -m user_script`")
     parser.add_argument("--no_python", action="store_true", help="run user_script directly, not with python")
     parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=N")
-    parser.add_argument("--save_pid", action="store_true", help="write the rank pids to <tmp>/<pid>.ds")
+    parser.add_argument(
+        "--save_pid", action="store_true", help="write each node's launcher pid to <tmp>/<this pid>.deepspeed"
+    )
     parser.add_argument("--enable_each_rank_log", default="None", help="directory for one log per rank")
     parser.add_argument("--bind_cores_to_rank", action="store_true", help="give each rank its own CPU cores")
     parser.add_argument("--bind_core_list", default=None, help="cores to share out, e.g. '0-7,16-23'")
@@ -273,7 +275,7 @@ def build_spec(ns: argparse.Namespace) -> LaunchSpec:
         log_dir=_log_dir(ns),
         rank_cores=_rank_cores(ns, len(slots)),
         visible_devices=visible_devices_env(slots) if (ns.include or ns.exclude) else None,
-        save_pid=ns.save_pid,
+        save_pid=os.getpid() if ns.save_pid else 0,
     )
 
 
@@ -293,7 +295,7 @@ def build_node_spec(ns: argparse.Namespace, pool: ResourcePool) -> LaunchSpec:
         log_dir=_log_dir(ns),
         rank_cores=_rank_cores(ns, len(slots)),
         visible_devices=visible_devices_env(slots) if restricted else None,
-        save_pid=ns.save_pid,
+        save_pid=os.getpid() if ns.save_pid else 0,
         node_rank=ns.node_rank,
         num_nodes=len(pool),
         rank_offset=offset,
@@ -329,7 +331,7 @@ def build_runner(ns: argparse.Namespace, pool: ResourcePool) -> MultiNodeRunner:
         ssh_port=ns.ssh_port,
         venv_script=ns.venv_script,
         log_dir=_log_dir(ns),
-        save_pid=ns.save_pid,
+        save_pid=os.getpid() if ns.save_pid else 0,
         bind_cores_to_rank=ns.bind_cores_to_rank,
         bind_core_list=ns.bind_core_list,
         log_level="error" if ns.quiet else ns.log_level,

@@ -119,8 +119,12 @@ def test_failing_rank_ends_the_job_promptly(tmp_path):
 
 
 def test_sigterm_is_forwarded_to_ranks(tmp_path):
+    """Also `--save_pid`, as upstream's: while the ranks run, <tmp>/<deepspeed's pid>.deepspeed
+    holds the launcher's pid (on one machine, the same process), and it is gone after."""
     proc = subprocess.Popen(
-        launcher_cmd("--num_procs", "2", RANK_SCRIPT, "--mode", "sigterm", "--dir", str(tmp_path)),
+        launcher_cmd(
+            "--save_pid", "--num_procs", "2", RANK_SCRIPT, "--mode", "sigterm", "--dir", str(tmp_path)
+        ),
         env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -132,8 +136,9 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the ranks never became ready"
             time.sleep(0.05)
+        assert open(launch.pid_file_path(proc.pid)).read() == str(proc.pid)
         proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -141,6 +146,15 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.got").read_text() == str(int(signal.SIGTERM))
+    assert f"launcher pid: {proc.pid}" in out and not os.path.exists(launch.pid_file_path(proc.pid))
+
+
+def test_save_pid_refuses_an_existing_pid_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch.tempfile, "gettempdir", lambda: str(tmp_path))
+    (tmp_path / "4242.deepspeed").write_text("1")
+    spec = launch.LaunchSpec(user_script=RANK_SCRIPT, num_procs=1, save_pid=4242)
+    with pytest.raises(RuntimeError, match="4242.deepspeed exists already"):
+        launch.launch_local(spec)
 
 
 def _wait_gone(pid: int, timeout_s: float) -> bool:
