@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import socket
 import sys
 from typing import Optional
@@ -207,6 +208,16 @@ def check_supported(ns: argparse.Namespace) -> None:
         raise ValueError(f"--node_rank={ns.node_rank} is only meaningful with --no_ssh")
     if not (ns.module or ns.no_python) and not os.path.isfile(ns.user_script):
         raise ValueError(f"user script {ns.user_script!r} does not exist")
+    local = not (ns.force_multi or os.path.isfile(ns.hostfile))  # the ranks run here: check what they need
+    if local and ns.no_python and shutil.which(ns.user_script) is None:
+        raise ValueError(
+            f"--no_python runs {ns.user_script!r} itself, but it is not an executable file or on PATH"
+        )
+    log_dir = _log_dir(ns)
+    if local and log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ValueError(
+            f"--enable_each_rank_log={log_dir!r} is a file; name a directory for the per-rank logs"
+        )
 
 
 def _port_is_free(port: int) -> bool:

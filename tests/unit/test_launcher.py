@@ -282,6 +282,22 @@ def test_bad_script_gives_clear_error(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_what_local_ranks_need_is_checked_first(capsys, tmp_path):
+    """On this machine, a --no_python program that cannot run and a per-rank log path that is a
+    file are refused by name before any rank starts (they were tracebacks from a started job)."""
+    not_a_dir = tmp_path / "logs"
+    not_a_dir.write_text("")
+    cases = [
+        (["--no_python", str(tmp_path / "missing.sh")], "--no_python runs"),
+        (["--enable_each_rank_log", str(not_a_dir), RANK_SCRIPT], "is a file; name a directory"),
+    ]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            runner.main(["--hostfile", str(tmp_path / "none"), *args])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+
+
 def test_remote_filter_without_hostfile_is_refused(capsys):
     with pytest.raises(SystemExit):
         runner.main(["--hostfile", "/nonexistent/hostfile", "--include", "worker-1:0", RANK_SCRIPT])
