@@ -465,7 +465,9 @@ def node_layout(world: dict[str, list[int]], node_rank: int) -> tuple[list[int],
     """This node's device slots, the global rank of its first rank, and the job's world size."""
     hosts = list(world)
     if not 0 <= node_rank < len(hosts):
-        raise ValueError(f"--node_rank={node_rank} is outside the {len(hosts)} nodes of --world_info {hosts}")
+        raise ValueError(
+            f"--node_rank={node_rank} is outside the {len(hosts)} nodes of this job {hosts} (node ranks 0-{len(hosts) - 1})"
+        )
     offset = sum(len(world[h]) for h in hosts[:node_rank])
     return list(world[hosts[node_rank]]), offset, sum(len(v) for v in world.values())
 
