@@ -606,8 +606,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._start_timers("step")
         try:
             if self.is_gradient_accumulation_boundary():
-                if not self.zero_optimization_partition_gradients():  # a boundary that backward did not see
-                    reduce_accumulated_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
+                # Stages 0-1: what no backward reduced yet (the switch off, a boundary that backward
+                # did not see); nothing at stages 2-3 or when backward did it.
+                self.allreduce_gradients()
                 stepped = self.optimizer.step()  # settles live gathers, then refreshes full tensors
                 if stepped and self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
