@@ -69,7 +69,10 @@ class LaunchSpec:
     module: bool = False  # run `user_script` as `python -m user_script`
     no_python: bool = False  # run `user_script` as an executable, without the interpreter
     no_local_rank: bool = False  # do not append `--local_rank=N` to the user's arguments
-    log_dir: Optional[str] = None  # one `rank<N>.log` per rank instead of inheriting stdout
+    log_dir: Optional[str] = None  # one `<log_prefix>_rank<N>.log` per rank instead of inheriting stdout
+    # The start time, local, as upstream names the per-rank logs (`20261204221530_rank0.log`),
+    # so a job's logs sit together and a relaunch does not overwrite the last one's.
+    log_prefix: str = field(default_factory=lambda: time.strftime("%Y%m%d%H%M%S", time.localtime()))
     rank_cores: Optional[list[list[int]]] = None  # CPU cores per local rank, when binding
     visible_devices: Optional[dict[str, str]] = None  # e.g. {"CUDA_VISIBLE_DEVICES": "0,2"}
     # Upstream's --save_pid: the pid of the `deepspeed` process that started the job (0: off);
@@ -392,7 +395,7 @@ def rank_children(spec: LaunchSpec) -> list[ChildSpec]:
             name=f"rank {spec.rank_offset + local_rank}",
             cmd=rank_command(spec, local_rank),
             env=rank_env(spec, local_rank),
-            log_path=os.path.join(spec.log_dir, f"rank{spec.rank_offset + local_rank}.log")
+            log_path=os.path.join(spec.log_dir, f"{spec.log_prefix}_rank{spec.rank_offset + local_rank}.log")
             if spec.log_dir
             else None,
             cores=None if spec.rank_cores is None else spec.rank_cores[local_rank],

@@ -85,8 +85,12 @@ def test_module_and_per_rank_logs(tmp_path):
     result = run_launcher(*args, "--module", "rank_script", "--mode", "report", cwd=SCRIPTS)
     assert result.returncode == 0, result.stderr
     assert reports(result.stdout) == {}  # the ranks wrote to their logs instead
+    # Named as upstream names them: `<local start time, %Y%m%d%H%M%S>_rank<N>.log`, one prefix per job.
+    logs = sorted(path.name for path in log_dir.iterdir())
+    assert len(logs) == 2 and all(re.fullmatch(r"\d{14}_rank[01]\.log", name) for name in logs), logs
+    assert logs[0][:14] == logs[1][:14]
     for rank in (0, 1):
-        (report,) = reports((log_dir / f"rank{rank}.log").read_text()).values()
+        (report,) = reports((log_dir / f"{logs[0][:14]}_rank{rank}.log").read_text()).values()
         assert report["RANK"] == str(rank)
         assert report["MASTER_ADDR"] == "localhost"
 
