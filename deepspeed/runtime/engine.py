@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -491,6 +491,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         finally:
             self._stop_timers("backward")
         self._memory_report("Engine after backward")
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            # As upstream: the loss as it was scaled for the backward (its share of the boundary's step).
+            return loss.detach() / self.gradient_accumulation_steps()
         return loss
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> None:
@@ -666,8 +669,14 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     def gradient_accumulation_steps(self) -> int:
         return self._config.gradient_accumulation_steps
 
-    def get_global_grad_norm(self) -> Optional[float]:
+    def get_global_grad_norm(self) -> Union[torch.Tensor, float, None]:
         return None if self.optimizer is None else self.optimizer.get_global_grad_norm()
+
+    @property
+    def basic_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer that steps the fp32 masters (the client's, or the one the config
+        named), under upstream's name for it; None for an engine without an optimizer."""
+        return None if self.optimizer is None else self.optimizer.optimizer
 
     def get_lr(self) -> list:
         return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]

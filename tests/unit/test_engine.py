@@ -95,7 +95,10 @@ def engine_run(data, gas=1, clip=0.0, build_under_init=False, prepare=None, **ex
         step_loss = 0.0
         for micro in range(gas):
             loss = engine(my_slice(ids, micro, gas), my_slice(labels, micro, gas))
-            engine.backward(loss)
+            returned = engine.backward(loss)
+            assert torch.equal(returned, loss.detach() / gas), (
+                "backward returns the loss it scaled, as upstream"
+            )
             engine.step()
             step_loss += loss.detach()
         total = step_loss / gas
@@ -264,7 +267,10 @@ class TestEngineParity(DistributedTest):
         engine, losses = engine_run(data, gas=2, clip=0.5, build_under_init=True)
         assert_parity(engine, losses, reference, ref_losses)
         assert engine.global_steps == 10 and engine.micro_steps == 20
-        assert engine.get_global_grad_norm() > 0
+        norm = engine.get_global_grad_norm()  # as upstream: a 0-dim tensor, so `.item()` works
+        assert isinstance(norm, torch.Tensor) and norm.dim() == 0 and norm.item() > 0
+        assert engine.basic_optimizer is engine.optimizer.optimizer  # upstream's name for the torch optimizer
+        assert isinstance(engine.basic_optimizer, torch.optim.AdamW)
 
     def test_sharded_memory_is_one_nth(self):
         engine, _ = engine_run(batches(1))

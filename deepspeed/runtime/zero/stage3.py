@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -555,8 +555,14 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             if master.data_ptr() != state.shard.data_ptr():  # not shared (see _make_master)
                 copy_cast(state.shard, master.data)
 
-    def get_global_grad_norm(self) -> Optional[float]:
-        return self._global_grad_norm
+    def get_global_grad_norm(self) -> Union[torch.Tensor, float, None]:
+        """The last step's gradient norm before clipping, as upstream returns it: a 0-dim fp32
+        tensor (code written for upstream calls `.item()` or `torch.isfinite` on it), the float
+        `inf` after a step skipped on overflow, None before the first step."""
+        norm = self._global_grad_norm
+        if norm is None or math.isinf(norm):
+            return norm
+        return torch.tensor(norm, dtype=torch.float32)
 
     def state_dict(self) -> dict:
         return {
