@@ -16,9 +16,12 @@ until its first `step()`. `load_state_dict()` restores the iteration only: the l
 comes back with the optimizer's own state dict, as in DeepSpeed.
 
 [Note: departures from upstream]
-Where DeepSpeed warns and carries on (an unknown `warmup_type`, `total_num_steps` shorter
-than the warmup) or accepts input silently (negative step counts, min above max), we raise
-`ValueError` naming the value. `WarmupCosineLR` holds its floor once `total_num_steps`
+Where DeepSpeed warns and carries on with a value it cannot act on (an unknown
+`warmup_type`) or accepts input silently (negative step counts, min above max), we raise
+`ValueError` naming the value. A `total_num_steps` shorter than the warmup is different: the
+schedule is still defined (the run ends before the decay starts, or meets it at its floor),
+and HF Trainer writes one whenever `warmup_steps` exceeds the run's steps, so both decay
+schedules warn, as DeepSpeed does, and train. `WarmupCosineLR` holds its floor once `total_num_steps`
 have passed instead of climbing back up the cosine. `OneCycle` honours its stair counts
 (DeepSpeed's documented intent; older releases ignored them).
 """
@@ -310,11 +313,7 @@ class WarmupDecayLR(WarmupLR):
         # Set before the base constructor, which already computes the iteration -1 lr.
         self.total_num_steps = _check_steps(total_num_steps, TOTAL_NUM_STEPS)
         warmup = _check_steps(warmup_num_steps, WARMUP_NUM_STEPS)
-        if self.total_num_steps < warmup:
-            raise ValueError(
-                f"{TOTAL_NUM_STEPS}={total_num_steps} is less than {WARMUP_NUM_STEPS}={warmup_num_steps}; "
-                "the decay would have no steps"
-            )
+        _warn_if_decay_unreached(self.total_num_steps, warmup)
         super().__init__(
             optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration
         )
@@ -356,11 +355,7 @@ class WarmupCosineLR(_Schedule):
         super().__init__(optimizer, last_batch_iteration)
         self.total_num_steps = _check_steps(total_num_steps, TOTAL_NUM_STEPS)
         warmup = _check_steps(warmup_num_steps, WARMUP_NUM_STEPS)
-        if self.total_num_steps < warmup:
-            raise ValueError(
-                f"{TOTAL_NUM_STEPS}={total_num_steps} is less than {WARMUP_NUM_STEPS}={warmup_num_steps}; "
-                "the cosine decay would have no steps"
-            )
+        _warn_if_decay_unreached(self.total_num_steps, warmup)
         self.warmup_num_steps = max(2, warmup)
         self.warmup_min_ratio = _check_ratio(warmup_min_ratio, WARMUP_MIN_RATIO)
         self.cos_min_ratio = _check_ratio(cos_min_ratio, COS_MIN_RATIO)
@@ -387,6 +382,16 @@ class WarmupCosineLR(_Schedule):
             return [0.0] * len(self.org_lrs)
         ratio = self.get_lr_ratio()
         return [lr * ratio for lr in self.org_lrs]
+
+
+def _warn_if_decay_unreached(total_num_steps: int, warmup_num_steps: int) -> None:
+    """A run shorter than its warmup never decays: worth a warning, not an error (see the note)."""
+    if total_num_steps < warmup_num_steps:
+        logger.warning(
+            f"{TOTAL_NUM_STEPS}={total_num_steps} is less than {WARMUP_NUM_STEPS}={warmup_num_steps}: the lr "
+            f"warms up for the whole run and never decays; lower {WARMUP_NUM_STEPS} (HF: warmup_steps) if that "
+            "is not what you meant"
+        )
 
 
 def _check_ratio(value: Any, name: str) -> float:
