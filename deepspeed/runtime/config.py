@@ -80,6 +80,20 @@ DEEPSPEED_OPTIMIZERS = (
     "deepspeedcpuadam",
 )
 
+# Upstream's names for the `optimizer.type` values (client code compares with them).
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+LION_OPTIMIZER = "lion"
+MUON_OPTIMIZER = "muon"
+ONEBIT_ADAM_OPTIMIZER = "onebitadam"
+ONEBIT_LAMB_OPTIMIZER = "onebitlamb"
+ZERO_ONE_ADAM_OPTIMIZER = "zerooneadam"
+MUADAM_OPTIMIZER = "muadam"
+MUADAMW_OPTIMIZER = "muadamw"
+MUSGD_OPTIMIZER = "musgd"
+
 _COMM_DTYPES = {
     "fp32": torch.float32,
     "fp16": torch.float16,

@@ -84,7 +84,26 @@ NAMES = [
     "runtime.utils.see_memory_usage",
     "runtime.utils.move_to_device",
     "utils.timer.SynchronizedWallClockTimer",
+    "runtime.config.ADAM_OPTIMIZER",
 ]
+
+
+def test_required_torch_version_and_optimizer_names():
+    from deepspeed.runtime.config import ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER
+    from deepspeed.utils.torch import required_torch_version
+
+    installed = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    assert required_torch_version(min_version="1.13") and required_torch_version(
+        min_version=f"{installed[0]}.{installed[1]}"
+    )
+    assert not required_torch_version(min_version=f"{installed[0] + 1}.0")
+    assert required_torch_version(max_version=f"{installed[0] + 1}.0") and not required_torch_version(
+        max_version="1.13"
+    )
+    assert required_torch_version(min_version="1.13", max_version=f"{installed[0]}.{installed[1]}")
+    with pytest.raises(ValueError, match="min_version, max_version or both"):
+        required_torch_version()
+    assert (ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER) == ("adam", "adamw", "lamb")
 
 
 def test_every_name_resolves_after_a_bare_import():
