@@ -35,6 +35,7 @@ from deepspeed.runtime.zero.partition_parameters import GatherHold, Init, cast_p
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3, ZeroStage3Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import (
     DeepSpeedZeroOptimizer,
+    allreduce_whole_grads,
     make_replicated_shards,
     reduce_accumulated_grads,
     refuse_partitioned,
@@ -93,6 +94,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._boundary_override: Optional[bool] = None
         self._inside_backward = False  # engine.backward is running autograd
         self._stray_grads: list = []  # params whose gradients came from a backward outside it
+        # Stage 0: this boundary's whole gradients are averaged into `param.grad` already (see
+        # stage_1_and_2.allreduce_whole_grads); the zero_grad that ends the step clears it.
+        self._whole_grads_reduced = False
         self._inside_no_sync = False  # see no_sync()
         # Upstream's switch: False leaves stages 0-1's gradients unreduced after backward, for
         # the caller to reduce with allreduce_gradients() (see there).
@@ -546,11 +550,17 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             raise ValueError(f"allreduce_gradients: bucket_size={bucket_size!r} must be a positive int")
         if self.zero_optimization_partition_gradients() or not self.is_gradient_accumulation_boundary():
             return
+        if self._whole_grads_reduced:
+            return  # stage 0: this boundary's gradients are reduced and wait in `param.grad`
         configured = self.reducer.bucket_elems
         if bucket_size is not None:
             self.reducer.bucket_elems = bucket_size
         try:
-            reduce_accumulated_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
+            if self.zero_optimization_stage() == 0:
+                allreduce_whole_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
+                self._whole_grads_reduced = True  # until the zero_grad that ends the step
+            else:
+                reduce_accumulated_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
         finally:
             self.reducer.bucket_elems = configured
 
@@ -585,6 +595,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         """
         self.reducer.discard_pending()
         self._stray_grads = []
+        self._whole_grads_reduced = False
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:

@@ -190,6 +190,37 @@ class TestOptimizerSemantics(DistributedTest):
                 assert diffs.max() <= 2 * lr * steps, (stage, offload, diffs.max())
                 assert (diffs > 1e-6).float().mean() < 0.01, (stage, offload, (diffs > 1e-6).float().mean())
 
+    def test_stage0_leaves_the_averaged_gradient_in_param_grad(self):
+        """Stage 0, as upstream's engine without ZeRO: after the boundary's backward each
+        `param.grad` holds the gradient averaged over the ranks (what plain PyTorch's backward
+        on the whole batch gives), code that reads it before step() sees that, and the step's
+        zero_grad clears it. It trains as plain PyTorch."""
+        data = batches(3, seed=5)
+        reference = build()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+        sgd = {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}}
+        config = base_config(optimizer=sgd)
+        config["zero_optimization"]["stage"] = 0
+        model = build()
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        params, losses, ref_losses = dict(model.named_parameters()), [], []
+        for ids, labels in data:
+            ref_opt.zero_grad()
+            ref_loss = reference(ids, labels)
+            ref_loss.backward()
+            loss = engine(my_slice(ids), my_slice(labels))
+            engine.backward(loss)
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+            engine.step()
+            ref_opt.step()
+            assert all(p.grad is None for p in model.parameters())
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / dist.get_world_size())
+            ref_losses.append(ref_loss.item())
+        assert_parity(model, losses, reference, ref_losses)
+
     def test_no_sync_accumulates_without_communication(self):
         """Stages 0-1: backward inside `no_sync()` reduces nothing, even at a boundary; the
         next backward outside it reduces the sum, which trains as plain PyTorch summing both

@@ -107,7 +107,7 @@ class GradientReducer:
             predivide_factor=config.gradient_predivide_factor,
         )
 
-    def _scales(self, world: int) -> tuple:
+    def scales(self, world: int) -> tuple:
         """(before, after) the sum; see [Note: gradient scaling around the reduction]."""
         if self.prescale_gradients or self.predivide_factor == 1.0:
             return 1.0 / world, 1.0
@@ -168,7 +168,7 @@ class GradientReducer:
                 flat = F.pad(flat, (0, state.padding))
             blocks.append(flat.view(world, state.partition_size))
         del items, grad, flat
-        before, _ = self._scales(world)
+        before, _ = self.scales(world)
         group = states[0].group
         if dist.completes_on_issue(group, blocks[0]):
             # Shared memory: the reduction is over when the call returns, so there is nothing
@@ -213,7 +213,7 @@ class GradientReducer:
     def _complete(self, work: _InFlight) -> None:
         work.handle.wait()
         self._spare.extend(work.buffers)
-        _, after = self._scales(work.world)
+        _, after = self.scales(work.world)
         # Each state gets its own disjoint view of `received`, which the accumulator may keep.
         pieces = torch.split(work.received, [s.partition_size for s in work.states])
         for state, piece in zip(work.states, pieces):

@@ -190,6 +190,57 @@ def reduce_accumulated_grads(states: list, reducer: Any, fill: Callable) -> None
     reducer.flush()
 
 
+def allreduce_whole_grads(states: list, reducer: Any, fill: Callable) -> None:
+    """Stage 0, at a step: average each whole gradient over the ranks into `param.grad`, as
+    upstream's engine without ZeRO leaves it after backward (code that reads `p.grad` between
+    backward and step, a per-layer norm logged before the step, sees the average), and hand
+    this rank's slice of it to the optimizer's fp32 gradient shard.
+
+    One all-reduce per (group, dtype) bucket of `reducer.bucket_elems` elements, scaled around
+    the sum as the reducer scales its reduce-scatters; `fill` as in `reduce_accumulated_grads`.
+    An fp32 gradient's shard is a view of its averaged `param.grad`, so clipping during the
+    step scales both, as upstream's stage 0 clips `param.grad` in place.
+    """
+    buckets: dict = {}
+    for state in states:
+        grad = fill(state, take_whole_grad(state))
+        if grad is not None:
+            dtype = reducer.comm_dtype or grad.dtype
+            buckets.setdefault((id(state.group), dtype), []).append((state, grad))
+    for (_, dtype), items in buckets.items():  # insertion order: the same on every rank
+        chunk, elems = [], 0
+        for state, grad in items:
+            chunk.append((state, grad))
+            elems += state.numel
+            if elems >= reducer.bucket_elems:
+                _allreduce_into_grads(chunk, dtype, reducer)
+                chunk, elems = [], 0
+        if chunk:
+            _allreduce_into_grads(chunk, dtype, reducer)
+
+
+def _allreduce_into_grads(items: list, dtype: torch.dtype, reducer: Any) -> None:
+    first = items[0][0]
+    before, after = reducer.scales(first.world_size)
+    flat = torch.cat([grad.reshape(-1).to(dtype) for _, grad in items])
+    if before != 1.0:
+        flat.mul_(before)
+    dist.all_reduce(flat, group=first.group)
+    reducer.reduce_calls += 1
+    if after != 1.0:
+        flat.mul_(after)
+    offset = 0
+    for state, _ in items:
+        averaged = flat[offset : offset + state.numel]
+        offset += state.numel
+        state.param.grad = averaged.view(state.shape).to(state.param.dtype)
+        start = state.rank * state.partition_size
+        mine = averaged[start : start + state.partition_size]
+        if mine.numel() < state.partition_size:  # the last rank's slice runs into the padding
+            mine = torch.nn.functional.pad(mine, (0, state.partition_size - mine.numel()))
+        reducer.accumulate(state, mine, 1.0)
+
+
 def refuse_partitioned(module: nn.Module, stage: int) -> Optional[str]:
     """An error message when `module` holds stage-3 partitioned parameters (built under zero.Init)."""
     from deepspeed.runtime.zero.param_state import is_zero_param
