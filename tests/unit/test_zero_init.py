@@ -385,6 +385,11 @@ class TestInitMisuse:
             deepspeed.zero.Init(config_dict_or_path="/no/such/config.json")
         with pytest.raises(NotImplementedError, match="quantized"):
             deepspeed.zero.Init(zero_quantized_weights=True)
+        with pytest.raises(NotImplementedError, match="zero_param_parallel_group .*hpZ"):
+            deepspeed.zero.Init(zero_param_parallel_group=object())
+        deepspeed.zero.Init(
+            zero_param_parallel_group=None, mem_efficient_linear=False
+        )  # upstream's defaults parse
 
     def test_patches_undone_after_exception(self):
         class Boom(nn.Module):

@@ -408,10 +408,15 @@ class Init:
         sequence_data_parallel_group: Any = None,
         param_swapper: Any = None,
     ) -> None:
-        # mem_efficient_linear: upstream swaps F.linear for a memory-saving variant; ours keeps
-        # torch's, whose saved activations are the same tensors. zero_param_parallel_group is
-        # for hierarchical partitioning (ZeRO++ hpZ), which we do not implement: ignored.
-        del mem_efficient_linear, zero_param_parallel_group
+        # mem_efficient_linear: upstream swaps F.linear for a variant that saves the parameter,
+        # not its gathered tensor, for backward; torch's F.linear already saves the parameter
+        # itself (whose data the release swaps out), so either value behaves as upstream's True.
+        del mem_efficient_linear
+        if zero_param_parallel_group is not None:
+            raise NotImplementedError(
+                "zero.Init: zero_param_parallel_group (ZeRO++ hpZ, hierarchical partitioning) is not supported; "
+                "pass None (parameters are partitioned over the data-parallel group)"
+            )
         if zero_quantized_weights or zero_quantized_nontrainable_weights:
             raise NotImplementedError(
                 "zero.Init: quantized weights (ZeRO++ qwZ) are not supported; pass False"
