@@ -30,6 +30,7 @@ from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
 from deepspeed.runtime.zero.leaf_grads import LeafGradients
+from deepspeed.runtime.zero.linear import route_linears
 from deepspeed.runtime.zero.param_state import ZeroParamStatus, is_zero_param
 from deepspeed.runtime.zero.partition_parameters import GatherHold, Init, cast_partitioned
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3, ZeroStage3Optimizer
@@ -116,6 +117,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         apply_leaf_module_config(model, zero.leaf_module)  # every stage: leaves also shape gradient reduction
         if self.partitions_weights:
             self._prepare_module()
+            route_linears(model)  # [Note: what autograd keeps of a gathered weight] in zero/linear.py
             self._mark_fine_grained_leaves(zero.module_granularity_threshold)
             self.coordinator = ParameterCoordinator(
                 model, zero.prefetch_bucket_size, zero.max_live_parameters, zero.max_reuse_distance

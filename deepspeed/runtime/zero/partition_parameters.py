@@ -408,9 +408,10 @@ class Init:
         sequence_data_parallel_group: Any = None,
         param_swapper: Any = None,
     ) -> None:
-        # mem_efficient_linear: upstream swaps F.linear for a variant that saves the parameter,
-        # not its gathered tensor, for backward; torch's F.linear already saves the parameter
-        # itself (whose data the release swaps out), so either value behaves as upstream's True.
+        # mem_efficient_linear: upstream replaces F.linear for the whole process with a variant
+        # that saves the parameter, not a view of its gathered tensor, for backward. Here the
+        # ZeRO-3 engine routes its own nn.Linear modules through such a function (zero/linear.py)
+        # whatever this says, so either value behaves as upstream's True for them.
         del mem_efficient_linear
         if zero_param_parallel_group is not None:
             raise NotImplementedError(

@@ -1,0 +1,78 @@
+"""`nn.Linear` under ZeRO-3 without autograd holding its gathered weight from forward to backward.
+
+[Note: what autograd keeps of a gathered weight]
+torch's `F.linear` multiplies by `weight.t()` and autograd saves that view for backward. A
+view shares the gathered tensor's storage, so releasing the parameter after its module's
+forward (swapping `param.data` back to the empty placeholder) frees nothing: every Linear's
+full weight stays alive until its backward, and at the end of the forward a rank holds the
+whole model's Linear weights at once (measured: 8 layers of 512x512 on 2 ranks, all 8
+gathered buffers still referenced after the forward with `stage3_max_reuse_distance: 0`).
+Convolutions and norms save the parameter itself, whose data the release swaps out, so they
+do not have the problem.
+
+`LinearSavingParameter` computes the same `addmm` as `F.linear` but saves the parameters
+themselves; the engine gathers them again around the module's backward (hooks.py), which is
+when autograd reads them. The ZeRO-3 engine routes every `nn.Linear` whose `forward` is
+torch's through it (`route_linears`): the same role as upstream's `mem_efficient_linear`,
+which replaces `torch.nn.functional.linear` for the whole process; here only the engine's
+own Linear modules change. Forward results are bitwise those of `F.linear`; the gradients
+are the same products, summed in the order the matmuls choose.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+
+class LinearSavingParameter(torch.autograd.Function):
+    """`y = x W^T + b`, saving `x`, `W` and `b` themselves (not a view of `W`) for backward."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(input, weight, bias)
+        if bias is None:
+            return input.matmul(weight.t())
+        if input.dim() == 2:
+            return torch.addmm(bias, input, weight.t())
+        flat = input.reshape(-1, input.shape[-1])
+        return torch.addmm(bias, flat, weight.t()).view(*input.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        input, weight, bias = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight)
+        if ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2]):
+            grads = grad_output.reshape(-1, grad_output.shape[-1])
+            if ctx.needs_input_grad[1]:
+                grad_weight = grads.t().matmul(input.reshape(-1, input.shape[-1]))
+            if bias is not None and ctx.needs_input_grad[2]:
+                grad_bias = grads.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if torch.is_autocast_enabled(input.device.type):
+        # Autocast casts F.linear's operands and saves the casts; this Function would save the
+        # uncast input and run its backward outside autocast, so torch's path is kept there.
+        return nn.functional.linear(input, self.weight, self.bias)
+    return LinearSavingParameter.apply(input, self.weight, self.bias)
+
+
+def route_linears(module: nn.Module) -> int:
+    """Make each `nn.Linear` in `module` whose forward is torch's run `LinearSavingParameter`;
+    returns how many. A subclass with its own forward (a quantized Linear) is left alone."""
+    count = 0
+    for sub in module.modules():
+        if (
+            isinstance(sub, nn.Linear)
+            and type(sub).forward is nn.Linear.forward
+            and "forward" not in vars(sub)
+        ):
+            sub.forward = types.MethodType(_forward, sub)
+            count += 1
+    return count

@@ -1,0 +1,105 @@
+"""ZeRO-3's nn.Linear: autograd keeps no gathered weight from forward to backward
+([Note: what autograd keeps of a gathered weight] in deepspeed/runtime/zero/linear.py)."""
+
+import torch
+from torch import nn
+
+import deepspeed
+import deepspeed.comm as dist
+import deepspeed.runtime.zero.gather as gather
+from deepspeed.runtime.zero.linear import LinearSavingParameter, route_linears
+from tests.unit.common import DistributedTest
+
+LAYERS, WIDTH = 6, 64
+
+
+def _config():
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,  # release after each layer: nothing kept for reuse
+            "stage3_prefetch_bucket_size": 0,
+        },
+    }
+
+
+def _model(seed=3):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)])
+
+
+class TestLinearSavesTheParameter(DistributedTest):
+    world_size = [2]
+
+    def test_gathered_weights_are_free_after_forward_and_training_matches(self):
+        taken = []
+        original_take = gather.FULLS.take
+
+        def take(*args, **kwargs):
+            buffer = original_take(*args, **kwargs)
+            taken.append(buffer)
+            return buffer
+
+        reference = _model()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        engine, *_ = deepspeed.initialize(model=_model(), config=_config())
+        gen = torch.Generator().manual_seed(11)
+        rank = dist.get_rank()
+        gather.FULLS.take = take
+        try:
+            for _ in range(3):
+                batch = torch.randn(4, WIDTH, generator=gen)
+                taken.clear()
+                loss = engine(batch[2 * rank : 2 * rank + 2]).pow(2).mean()
+                # Every Linear's gathered weight was released with its module, and nothing
+                # (autograd's saved tensors included) shares its buffer any more.
+                assert len(taken) == LAYERS
+                assert [gather._storage_refs(b.buf) == b.refs for b in taken] == [True] * LAYERS
+                engine.backward(loss)
+                engine.step()
+                ref_opt.zero_grad()
+                reference(batch).pow(2).mean().backward()
+                ref_opt.step()
+        finally:
+            gather.FULLS.take = original_take
+        for name, p in reference.named_parameters():
+            got = dict(engine.module.named_parameters())[name]
+            with deepspeed.zero.GatheredParameters(got):
+                torch.testing.assert_close(got.data, p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_function_matches_f_linear_and_its_gradients():
+    torch.manual_seed(0)
+    for shape, bias in (((5, 7), True), ((2, 3, 7), True), ((7,), True), ((4, 7), False)):
+        layer = nn.Linear(7, 4, bias=bias)
+        x = torch.randn(*shape, requires_grad=True)
+        expected = nn.functional.linear(x, layer.weight, layer.bias)
+        expected.pow(2).sum().backward()
+        want = [t.grad.clone() for t in (x, layer.weight, layer.bias) if t is not None]
+        for t in (x, layer.weight, layer.bias):
+            if t is not None:
+                t.grad = None
+        got = LinearSavingParameter.apply(x, layer.weight, layer.bias)
+        assert torch.equal(got, expected), shape  # the same addmm as F.linear
+        got.pow(2).sum().backward()
+        have = [t.grad for t in (x, layer.weight, layer.bias) if t is not None]
+        for a, b in zip(have, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_route_linears_leaves_custom_forwards_and_autocast_alone():
+    class Custom(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.Sequential(nn.Linear(3, 3), Custom(3, 3))
+    assert route_linears(model) == 1 and "forward" in vars(model[0]) and "forward" not in vars(model[1])
+    assert route_linears(model) == 0  # already routed
+    x = torch.randn(2, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model[0](x)
+    assert out.dtype == torch.bfloat16 and out.grad_fn.name() != "LinearSavingParameterBackward"
