@@ -95,8 +95,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._boundary_override: Optional[bool] = None
         self._inside_backward = False  # engine.backward is running autograd
         self._stray_grads: list = []  # params whose gradients came from a backward outside it
-        # Stage 0: this boundary's whole gradients are averaged into `param.grad` already (see
-        # stage_1_and_2.allreduce_whole_grads); the zero_grad that ends the step clears it.
+        # Stage 0: `param.grad` holds the average of every gradient so far (see
+        # stage_1_and_2.allreduce_whole_grads); the next backward or zero_grad clears it.
         self._whole_grads_reduced = False
         self._inside_no_sync = False  # see no_sync()
         # Upstream's switch: False leaves stages 0-1's gradients unreduced after backward, for
@@ -492,6 +492,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             )
         self._memory_report("Engine before backward")
         self._start_timers("backward")
+        self._whole_grads_reduced = False  # stage 0: this backward adds to what was reduced
         try:
             self._backward(loss, retain_graph, scale_wrt_gas)
         finally:
@@ -559,8 +560,10 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             self.reducer.bucket_elems = bucket_size
         try:
             if self.zero_optimization_stage() == 0:
-                allreduce_whole_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
-                self._whole_grads_reduced = True  # until the zero_grad that ends the step
+                allreduce_whole_grads(
+                    self.optimizer.states, self.reducer, self.leaf_grads.fill, self.optimizer.drop_grad_shard
+                )
+                self._whole_grads_reduced = True  # until the next backward adds gradients
             else:
                 reduce_accumulated_grads(self.optimizer.states, self.reducer, self.leaf_grads.fill)
         finally:

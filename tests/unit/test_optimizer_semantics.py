@@ -215,6 +215,18 @@ class TestOptimizerSemantics(DistributedTest):
             engine.step()
             ref_opt.step()
             assert all(p.grad is None for p in model.parameters())
+            # Two backwards before one step (two losses): the second adds to the averaged
+            # first, and stepping applies the sum, as plain PyTorch's accumulation does.
+            half = ids.shape[0] // 2
+            ref_opt.zero_grad()
+            reference(ids[:half], labels[:half]).backward()
+            reference(ids[half:], labels[half:]).backward()
+            engine.backward(engine(my_slice(ids[:half], gas=2), my_slice(labels[:half], gas=2)))
+            engine.backward(engine(my_slice(ids[half:], gas=2), my_slice(labels[half:], gas=2)))
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+            engine.step()
+            ref_opt.step()
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / dist.get_world_size())

@@ -327,6 +327,10 @@ class ZeroStage3Optimizer(ZeROOptimizer):
 
     # ------------------------------------------------------------------ what the engine calls
 
+    def drop_grad_shard(self, state: ZeroParamState) -> None:
+        """Forget `state`'s fp32 gradient shard (stage 0 replaces it at each reduction)."""
+        self.masters[state.ds_id].grad = None
+
     def accumulate_grad(self, state: ZeroParamState, reduced: torch.Tensor, alpha: float) -> None:
         """Add `alpha * reduced` (this rank's reduced slice) to `state`'s fp32 gradient shard.
 

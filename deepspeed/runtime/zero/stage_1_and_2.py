@@ -190,16 +190,20 @@ def reduce_accumulated_grads(states: list, reducer: Any, fill: Callable) -> None
     reducer.flush()
 
 
-def allreduce_whole_grads(states: list, reducer: Any, fill: Callable) -> None:
+def allreduce_whole_grads(states: list, reducer: Any, fill: Callable, drop_shard: Callable) -> None:
     """Stage 0, at a step: average each whole gradient over the ranks into `param.grad`, as
     upstream's engine without ZeRO leaves it after backward (code that reads `p.grad` between
-    backward and step, a per-layer norm logged before the step, sees the average), and hand
-    this rank's slice of it to the optimizer's fp32 gradient shard.
+    backward and step, a per-layer norm logged before the step, sees the average), and make
+    this rank's slice of it the optimizer's fp32 gradient shard.
 
-    One all-reduce per (group, dtype) bucket of `reducer.bucket_elems` elements, scaled around
-    the sum as the reducer scales its reduce-scatters; `fill` as in `reduce_accumulated_grads`.
-    An fp32 gradient's shard is a view of its averaged `param.grad`, so clipping during the
-    step scales both, as upstream's stage 0 clips `param.grad` in place.
+    A second backward before the step adds its gradients to that average in `param.grad`;
+    reducing again averages the sum, which leaves the first part as it was (it is the same on
+    every rank), so each reduction replaces the shard (`drop_shard(state)` first) instead of
+    adding to it. One all-reduce per (group, dtype) bucket of `reducer.bucket_elems` elements,
+    scaled around the sum as the reducer scales its reduce-scatters; `fill` as in
+    `reduce_accumulated_grads`. An fp32 gradient's shard is a view of its averaged
+    `param.grad`, so clipping during the step scales both, as upstream's stage 0 clips
+    `param.grad` in place.
     """
     buckets: dict = {}
     for state in states:
@@ -209,28 +213,32 @@ def allreduce_whole_grads(states: list, reducer: Any, fill: Callable) -> None:
             buckets.setdefault((id(state.group), dtype), []).append((state, grad))
     for (_, dtype), items in buckets.items():  # insertion order: the same on every rank
         chunk, elems = [], 0
-        for state, grad in items:
+        for i, (state, grad) in enumerate(items):
+            items[i] = None  # the chunk holds it now, and lets go once it is packed
             chunk.append((state, grad))
             elems += state.numel
             if elems >= reducer.bucket_elems:
-                _allreduce_into_grads(chunk, dtype, reducer)
+                _allreduce_into_grads(chunk, dtype, reducer, drop_shard)
                 chunk, elems = [], 0
         if chunk:
-            _allreduce_into_grads(chunk, dtype, reducer)
+            _allreduce_into_grads(chunk, dtype, reducer, drop_shard)
+    if reducer.settle is not None:
+        reducer.settle()  # offloaded shards land asynchronously (stage3.py's note)
 
 
-def _allreduce_into_grads(items: list, dtype: torch.dtype, reducer: Any) -> None:
-    first = items[0][0]
-    before, after = reducer.scales(first.world_size)
-    flat = torch.cat([grad.reshape(-1).to(dtype) for _, grad in items])
+def _allreduce_into_grads(chunk: list, dtype: torch.dtype, reducer: Any, drop_shard: Callable) -> None:
+    states = [state for state, _ in chunk]
+    flat = torch.cat([grad.reshape(-1).to(dtype) for _, grad in chunk])
+    chunk.clear()  # the whole gradients are packed: free them before the collective
+    before, after = reducer.scales(states[0].world_size)
     if before != 1.0:
         flat.mul_(before)
-    dist.all_reduce(flat, group=first.group)
+    dist.all_reduce(flat, group=states[0].group)
     reducer.reduce_calls += 1
     if after != 1.0:
         flat.mul_(after)
     offset = 0
-    for state, _ in items:
+    for state in states:
         averaged = flat[offset : offset + state.numel]
         offset += state.numel
         state.param.grad = averaged.view(state.shape).to(state.param.dtype)
@@ -238,6 +246,7 @@ def _allreduce_into_grads(items: list, dtype: torch.dtype, reducer: Any) -> None
         mine = averaged[start : start + state.partition_size]
         if mine.numel() < state.partition_size:  # the last rank's slice runs into the padding
             mine = torch.nn.functional.pad(mine, (0, state.partition_size - mine.numel()))
+        drop_shard(state)
         reducer.accumulate(state, mine, 1.0)
 
 
