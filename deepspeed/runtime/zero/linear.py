@@ -13,10 +13,13 @@ do not have the problem.
 `LinearSavingParameter` computes the same `addmm` as `F.linear` but saves the parameters
 themselves; the engine gathers them again around the module's backward (hooks.py), which is
 when autograd reads them. The ZeRO-3 engine routes every `nn.Linear` whose `forward` is
-torch's through it (`route_linears`): the same role as upstream's `mem_efficient_linear`,
-which replaces `torch.nn.functional.linear` for the whole process; here only the engine's
-own Linear modules change. Forward results are bitwise those of `F.linear`; the gradients
-are the same products, summed in the order the matmuls choose.
+torch's through it (`route_linears`), and every `nn.MultiheadAttention` whose `forward` is
+torch's runs with `torch.nn.functional.linear` pointing at it for the length of its forward
+(its projections call that function with the parameters, not the module; a cross-attention
+projection of one chunk of `in_proj_weight` still saves that chunk, a view). The same role as
+upstream's `mem_efficient_linear`, which replaces `torch.nn.functional.linear` for the whole
+process; here only the engine's own modules change. Forward results are bitwise those of
+`F.linear`; the gradients are the same products, summed in the order the matmuls choose.
 """
 
 from __future__ import annotations
@@ -55,24 +58,44 @@ class LinearSavingParameter(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
-def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+TORCH_LINEAR = nn.functional.linear  # torch's own, captured before anything swaps it
+
+
+def linear_saving_parameter(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear` through `LinearSavingParameter`."""
     if torch.is_autocast_enabled(input.device.type):
         # Autocast casts F.linear's operands and saves the casts; this Function would save the
         # uncast input and run its backward outside autocast, so torch's path is kept there.
-        return nn.functional.linear(input, self.weight, self.bias)
-    return LinearSavingParameter.apply(input, self.weight, self.bias)
+        return TORCH_LINEAR(input, weight, bias)
+    return LinearSavingParameter.apply(input, weight, bias)
+
+
+def _linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    return linear_saving_parameter(input, self.weight, self.bias)
+
+
+def _attention_forward(self: nn.MultiheadAttention, *args, **kwargs):
+    previous = nn.functional.linear
+    nn.functional.linear = linear_saving_parameter  # what F.multi_head_attention_forward calls
+    try:
+        return nn.MultiheadAttention.forward(self, *args, **kwargs)
+    finally:
+        nn.functional.linear = previous
+
+
+_ROUTES = ((nn.Linear, _linear_forward), (nn.MultiheadAttention, _attention_forward))
 
 
 def route_linears(module: nn.Module) -> int:
-    """Make each `nn.Linear` in `module` whose forward is torch's run `LinearSavingParameter`;
-    returns how many. A subclass with its own forward (a quantized Linear) is left alone."""
+    """Route each `nn.Linear` and `nn.MultiheadAttention` in `module` whose forward is torch's
+    through `LinearSavingParameter` (see the note); returns how many. A subclass with its own
+    forward (a quantized Linear) is left alone."""
     count = 0
     for sub in module.modules():
-        if (
-            isinstance(sub, nn.Linear)
-            and type(sub).forward is nn.Linear.forward
-            and "forward" not in vars(sub)
-        ):
-            sub.forward = types.MethodType(_forward, sub)
-            count += 1
+        for cls, forward in _ROUTES:
+            if isinstance(sub, cls) and type(sub).forward is cls.forward and "forward" not in vars(sub):
+                sub.forward = types.MethodType(forward, sub)
+                count += 1
     return count
