@@ -1,6 +1,9 @@
 """ZeRO-3's nn.Linear: autograd keeps no gathered weight from forward to backward
 ([Note: what autograd keeps of a gathered weight] in deepspeed/runtime/zero/linear.py)."""
 
+import copy
+import io
+
 import torch
 from torch import nn
 
@@ -114,15 +117,25 @@ def test_function_matches_f_linear_and_its_gradients():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_route_linears_leaves_custom_forwards_and_autocast_alone():
-    class Custom(nn.Linear):
-        def forward(self, x):
-            return super().forward(x) * 2
+class _CustomLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
 
-    model = nn.Sequential(nn.Linear(3, 3), Custom(3, 3))
+
+def test_route_linears_leaves_custom_forwards_and_autocast_alone():
+    model = nn.Sequential(nn.Linear(3, 3), _CustomLinear(3, 3))
     assert route_linears(model) == 1 and "forward" in vars(model[0]) and "forward" not in vars(model[1])
     assert route_linears(model) == 0  # already routed
     x = torch.randn(2, 3)
+    # The routed module still pickles whole and deep-copies, routed to its copy.
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    copied = copy.deepcopy(model)
+    for twin in (loaded, copied):
+        assert twin[0].forward.args[0] is twin[0]
+        torch.testing.assert_close(twin(x), model(x))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model[0](x)
     assert out.dtype == torch.bfloat16 and out.grad_fn.name() != "LinearSavingParameterBackward"

@@ -24,7 +24,7 @@ process; here only the engine's own modules change. Forward results are bitwise 
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 from torch import nn
@@ -96,6 +96,8 @@ def route_linears(module: nn.Module) -> int:
     for sub in module.modules():
         for cls, forward in _ROUTES:
             if isinstance(sub, cls) and type(sub).forward is cls.forward and "forward" not in vars(sub):
-                sub.forward = types.MethodType(forward, sub)
+                # A partial of a module-level function, not a bound method: it pickles by name
+                # (torch.save of the whole module) and deep-copies onto the copy.
+                sub.forward = functools.partial(forward, sub)
                 count += 1
     return count
