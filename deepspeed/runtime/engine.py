@@ -697,6 +697,15 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     def get_lr(self) -> list:
         return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
 
+    def sparse_gradients_enabled(self) -> bool:
+        return self._config.sparse_gradients_enabled  # always False: true is refused (dense reduce-scatters)
+
+    @property
+    def sparse_tensor_module_names(self) -> set:
+        """Upstream's record of the modules whose gradients it reduces as sparse tensors: none
+        here, since `sparse_gradients: true` is refused."""
+        return set()
+
     def zero_optimization_stage(self) -> int:
         return self._config.zero_optimization_stage
 

@@ -270,6 +270,7 @@ class TestEngineParity(DistributedTest):
         norm = engine.get_global_grad_norm()  # as upstream: a 0-dim tensor, so `.item()` works
         assert isinstance(norm, torch.Tensor) and norm.dim() == 0 and norm.item() > 0
         assert engine.basic_optimizer is engine.optimizer.optimizer  # upstream's name for the torch optimizer
+        assert engine.sparse_tensor_module_names == set() and engine.sparse_gradients_enabled() is False
         assert isinstance(engine.basic_optimizer, torch.optim.AdamW)
 
     def test_sharded_memory_is_one_nth(self):
