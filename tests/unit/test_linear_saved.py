@@ -60,6 +60,30 @@ class TestLinearSavesTheParameter(DistributedTest):
         # Each attention gathers its in-projection, and its out_proj (a Linear) apart.
         self._check(_attention_model, gathers=LAYERS // 2, features=2 * WIDTH)
 
+    def test_persistent_weights_after_empty_partition_cache(self):
+        # Small layers stay gathered (persistent); empty_partition_cache() partitions them, and
+        # the next forward gathers them where torch first touches them: the routed Linear must
+        # too, before autograd records the weight's shape.
+        config = _config()
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 10**6
+        reference = _model()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        engine, *_ = deepspeed.initialize(model=_model(), config=config)
+        rank = dist.get_rank()
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(2):
+            engine.empty_partition_cache()
+            batch = torch.randn(4, WIDTH, generator=gen)
+            engine.backward(engine(batch[2 * rank : 2 * rank + 2]).pow(2).mean())
+            engine.step()
+            ref_opt.zero_grad()
+            reference(batch).pow(2).mean().backward()
+            ref_opt.step()
+        for name, p in reference.named_parameters():
+            got = dict(engine.module.named_parameters())[name]
+            with deepspeed.zero.GatheredParameters(got):
+                torch.testing.assert_close(got.data, p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
     @staticmethod
     def _check(build, gathers, features):
         taken = []

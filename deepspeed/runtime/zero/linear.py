@@ -29,6 +29,8 @@ import functools
 import torch
 from torch import nn
 
+from deepspeed.runtime.zero.param_state import ACCESS_HOOK, ZeroParamStatus, is_zero_param
+
 
 class LinearSavingParameter(torch.autograd.Function):
     """`y = x W^T + b`, saving `x`, `W` and `b` themselves (not a view of `W`) for backward."""
@@ -69,6 +71,15 @@ def linear_saving_parameter(
         # Autocast casts F.linear's operands and saves the casts; this Function would save the
         # uncast input and run its backward outside autocast, so torch's path is kept there.
         return TORCH_LINEAR(input, weight, bias)
+    for param in (weight, bias):
+        # A parameter its module's fetch did not gather (a persistent one after
+        # `empty_partition_cache()`) is gathered by the engine's access hook when a torch
+        # function first touches it; F.linear is such a function, but `apply` records each
+        # input's shape before its forward touches anything, so the hook runs here first:
+        # recorded as the partitioned [0], the weight's gradient would be refused.
+        if is_zero_param(param) and param._zero_state.status is not ZeroParamStatus.AVAILABLE:
+            if ACCESS_HOOK.hook is not None:
+                ACCESS_HOOK.hook(param)
     return LinearSavingParameter.apply(input, weight, bias)
 
 
