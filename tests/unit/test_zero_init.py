@@ -387,9 +387,10 @@ class TestInitMisuse:
             deepspeed.zero.Init(zero_quantized_weights=True)
         with pytest.raises(NotImplementedError, match="zero_param_parallel_group .*hpZ"):
             deepspeed.zero.Init(zero_param_parallel_group=object())
-        deepspeed.zero.Init(
-            zero_param_parallel_group=None, mem_efficient_linear=False
-        )  # upstream's defaults parse
+        with pytest.raises(NotImplementedError, match="mem_efficient_linear=False is not supported"):
+            deepspeed.zero.Init(mem_efficient_linear=False)
+        # Upstream's defaults parse.
+        deepspeed.zero.Init(zero_param_parallel_group=None, mem_efficient_linear=True)
 
     def test_patches_undone_after_exception(self):
         class Boom(nn.Module):

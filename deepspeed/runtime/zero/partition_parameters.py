@@ -410,9 +410,15 @@ class Init:
     ) -> None:
         # mem_efficient_linear: upstream replaces F.linear for the whole process with a variant
         # that saves the parameter, not a view of its gathered tensor, for backward. Here the
-        # ZeRO-3 engine routes its own nn.Linear modules through such a function (zero/linear.py)
-        # whatever this says, so either value behaves as upstream's True for them.
-        del mem_efficient_linear
+        # ZeRO-3 engine always routes its own nn.Linear modules through such a function
+        # (zero/linear.py): True is what happens; False, which would keep every gathered
+        # weight until backward, is refused rather than ignored.
+        if not mem_efficient_linear:
+            raise NotImplementedError(
+                "zero.Init: mem_efficient_linear=False is not supported: the ZeRO-3 engine always runs "
+                "nn.Linear through a function that saves the parameter, not its gathered tensor, for "
+                "backward (same results, less memory); pass True, the default"
+            )
         if zero_param_parallel_group is not None:
             raise NotImplementedError(
                 "zero.Init: zero_param_parallel_group (ZeRO++ hpZ, hierarchical partitioning) is not supported; "
