@@ -331,7 +331,7 @@ def cpu_adam_table(cpu_adam: dict) -> str:
     """bench_cpu_adam's table (median ms per step), with its kernel and load average."""
     import bench_cpu_adam  # the benchmarks folder is on sys.path when run_all runs
 
-    note = f"kernel {cpu_adam['isa']}, load average {cpu_adam['load_average'][0]} -> {cpu_adam['load_average'][1]}"
+    note = f"kernel {cpu_adam['isa']}, prefetch {cpu_adam.get('prefetch', 0)} elements ahead, load average {cpu_adam['load_average'][0]} -> {cpu_adam['load_average'][1]}"
     return bench_cpu_adam.format_table(cpu_adam) + f"\n\n{note}"
 
 

@@ -11,12 +11,14 @@ One parameter of N elements, AdamW (lr 1e-3, weight decay 0.01), fp32 optimizer 
   torch_fused    torch.optim.AdamW(fused=True).step()
   upstream       upstream DeepSpeed 0.19.8's DeepSpeedCPUAdam.step(), in its own venv
                  (_cpu_adam_upstream.py, driven over a pipe so its steps alternate with ours)
-  floor          the best of three streaming kernels over the same bytes as our step, with
+  floor          the best of four streaming kernels over the same bytes as our step, with
                  the same threads: the op's bandwidth_probe, p += g, m += g, v += g (4 reads,
                  3 writes per element, all loads before the stores, nothing else), shared
                  out in spans as our step is (floor_spans), in one contiguous stretch per
                  thread as STREAM does (floor_contiguous), and that with non-temporal stores
-                 (floor_nt). Each runs twice: with all four tensors in ordinary 4 KiB pages,
+                 (floor_nt), and in spans with a software prefetch 512 elements ahead on
+                 every stream, as our step's loop runs on Intel CPUs (floor_spans_pf). Each
+                 runs twice: with all four tensors in ordinary 4 KiB pages,
                  and (the `_thp` twins) with the two states in 2 MiB transparent huge pages
                  and param and grad in 4 KiB pages, the page policy of our step (below).
                  Each is timed in the rounds like the others; the floor is the lowest of
@@ -64,13 +66,16 @@ UPSTREAM_PYTHON = HERE / ".venv-upstream" / "bin" / "python"
 UPSTREAM_SERVER = HERE / "_cpu_adam_upstream.py"
 EXTENSIONS_DIR = HERE / ".cache" / "torch_extensions"
 IMPLS = ("ours", "torch_foreach", "torch_fused", "upstream", "floor")
-FLOOR_VARIANTS = {  # name: bandwidth_probe's (nontemporal, contiguous), states in huge pages
-    "floor_spans": (False, False, False),
-    "floor_contiguous": (False, True, False),
-    "floor_nt": (True, True, False),
-    "floor_spans_thp": (False, False, True),
-    "floor_contiguous_thp": (False, True, True),
-    "floor_nt_thp": (True, True, True),
+FLOOR_PREFETCH = 512  # elements, the distance the step's loop prefetches on Intel CPUs
+FLOOR_VARIANTS = {  # name: bandwidth_probe's (nontemporal, contiguous, prefetch), states in huge pages
+    "floor_spans": (False, False, 0, False),
+    "floor_contiguous": (False, True, 0, False),
+    "floor_nt": (True, True, 0, False),
+    "floor_spans_pf": (False, False, FLOOR_PREFETCH, False),
+    "floor_spans_thp": (False, False, 0, True),
+    "floor_contiguous_thp": (False, True, 0, True),
+    "floor_nt_thp": (True, True, 0, True),
+    "floor_spans_pf_thp": (False, False, FLOOR_PREFETCH, True),
 }
 HEADLINE = "8M_fp32_2t"
 # [Note: settling around upstream's turn]
@@ -169,12 +174,14 @@ def _floors(n: int, dtype: str) -> dict[str, Callable[[], Callable[[], None]]]:
     op = ALL_OPS["cpu_adam"].load()
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
 
-    def variant(nontemporal: bool, contiguous: bool, huge_states: bool) -> Callable[[], None]:
+    def variant(nontemporal: bool, contiguous: bool, prefetch: int, huge_states: bool) -> Callable[[], None]:
         states = (_uniform(n), _uniform(n))
         if huge_states:  # as DeepSpeedCPUAdam allocates its states
             states = tuple(huge_page_zeros(n).copy_(state) for state in states)
         tensors = (_uniform(n, dt), _uniform(n, dt), *states)
-        return lambda: op.bandwidth_probe(*tensors, nontemporal=nontemporal, contiguous=contiguous)
+        return lambda: op.bandwidth_probe(
+            *tensors, nontemporal=nontemporal, contiguous=contiguous, prefetch=prefetch
+        )
 
     return {name: (lambda flags=flags: variant(*flags)) for name, flags in FLOOR_VARIANTS.items()}
 
@@ -306,6 +313,7 @@ def run(
         "ratio_vs_upstream": head.get("ratio_vs_upstream"),
         "headline_case": HEADLINE,
         "isa": op.isa(),
+        "prefetch": op.prefetch(),
         "rounds": rounds,
         "reps": reps,
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -369,7 +377,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    print(f"load average {os.getloadavg()[0]:.2f}; kernel {ALL_OPS['cpu_adam'].load().isa()}")
+    op = ALL_OPS["cpu_adam"].load()
+    print(
+        f"load average {os.getloadavg()[0]:.2f}; kernel {op.isa()}, prefetch {op.prefetch()} elements ahead"
+    )
     print(format_header(), flush=True)
     result = run(
         [parse_size(s) for s in args.sizes.split(",")],

@@ -54,6 +54,9 @@ struct Span {
   Dtype grad_type;
   Dtype out_type;
   const Scalars* scalars;
+  // Software prefetch distance in elements (0: none), for every stream the step reads (see
+  // [Note: software prefetch where the CPU needs it] in adam_kernel.h).
+  int64_t prefetch_ahead;
 };
 
 using AdamFn = void (*)(const Span&);

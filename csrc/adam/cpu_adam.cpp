@@ -92,6 +92,29 @@ const Kernels*& active() {
 
 std::string isa() { return active()->name; }
 
+// Elements the kernels prefetch ahead: 512 on Intel CPUs, 0 elsewhere (see [Note: software
+// prefetch where the CPU needs it] in adam_kernel.h for what each was measured at).
+int64_t default_prefetch() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("intel")) return 512;
+#endif
+  return 0;
+}
+
+int64_t& prefetch_ahead() {
+  static int64_t ahead = default_prefetch();
+  return ahead;
+}
+
+// Sets the prefetch distance in elements (0: none); returns the previous one.
+int64_t set_prefetch(int64_t elements) {
+  TORCH_CHECK(elements >= 0, "cpu_adam: set_prefetch takes a distance in elements >= 0 (0: none), got ", elements);
+  const int64_t previous = prefetch_ahead();
+  prefetch_ahead() = elements;
+  return previous;
+}
+
 // Selects a kernel by name; returns the previous one's name.
 std::string set_isa(const std::string& name) {
   const std::string previous = active()->name;
@@ -159,7 +182,7 @@ ds_adam::Span describe(size_t i, const at::Tensor& param, const at::Tensor& grad
               "cpu_adam: exp_avgs[", i, "] and exp_avg_sqs[", i, "] must be float32, got ",
               exp_avg.scalar_type(), " and ", exp_avg_sq.scalar_type());
   ds_adam::Span span{param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                     nullptr, 0, n, pt, gt, Dtype::kNone, nullptr};
+                     nullptr, 0, n, pt, gt, Dtype::kNone, nullptr, prefetch_ahead()};
   if (out.has_value()) {
     check_tensor(*out, "outs", i, n);
     span.out_type = dtype_of(*out);
@@ -298,10 +321,13 @@ void adam_update_copy(const at::Tensor& param, const at::Tensor& grad, const at:
 
 // The bandwidth floor for benchmarks (see [Note: the bandwidth floor] in adam_kernel.h): the
 // bytes of an Adam step with the same threads, either shared out in spans as adam_step does
-// (`contiguous` false) or as one contiguous stretch per thread, as STREAM does.
+// (`contiguous` false) or as one contiguous stretch per thread, as STREAM does;
+// `prefetch`: elements to prefetch ahead (0: none), whatever the step's setting.
 void bandwidth_probe(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                     const at::Tensor& exp_avg_sq, bool nontemporal, bool contiguous) {
+                     const at::Tensor& exp_avg_sq, bool nontemporal, bool contiguous, int64_t prefetch) {
+  TORCH_CHECK(prefetch >= 0, "cpu_adam: bandwidth_probe takes prefetch >= 0 elements (0: none), got ", prefetch);
   ds_adam::Span span = describe(0, param, grad, exp_avg, exp_avg_sq, std::nullopt);
+  span.prefetch_ahead = prefetch;
   TORCH_CHECK(span.param_type == span.grad_type, "cpu_adam: bandwidth_probe takes a grad of the param's dtype");
   const ds_adam::FloorFn floor = active()->floor;
   pybind11::gil_scoped_release no_gil;
@@ -367,9 +393,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("bias_correction"), py::arg("adamw_mode"));
   m.def("bandwidth_probe", &bandwidth_probe, "p += g, m += g, v += g: the memory floor of a step",
-        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("nontemporal") = false, py::arg("contiguous") = false);
+        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("nontemporal") = false, py::arg("contiguous") = false,
+        py::arg("prefetch") = 0);
   m.def("isa", &isa, "The active kernel: avx512, avx2, neon or scalar");
   m.def("set_isa", &set_isa, "Switch kernels by name; returns the previous name", py::arg("name"));
+  m.def("prefetch", []() { return prefetch_ahead(); }, "Elements the kernel prefetches ahead (0: none)");
+  m.def("set_prefetch", &set_prefetch, "Set the prefetch distance in elements (0: none); returns the previous one",
+        py::arg("elements"));
   m.def("available_isas", &available_isas, "Kernels this CPU can run, best first");
   m.def("parallel_threads", &parallel_threads,
         "Threads a parallel region of this library gets now (torch.set_num_threads applies)");

@@ -172,9 +172,45 @@ def test_parity_check_can_fail(isa):
         assert_parity(opt, params, ref, ref_params)
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_each_vector_path_is_bitwise_the_same_with_and_without_prefetch(isa, param_dtype):
+    """The prefetching loop stops `ahead` short of each span's end and the plain loop finishes
+    it: a distance that is no multiple of the vector width, one longer than a small tensor
+    and the default all give the same bits as no prefetch (params, states and copies)."""
+    op = ALL_OPS["cpu_adam"].load()
+    default = op.prefetch()
+    results = {}
+    try:
+        for ahead in (0, 37, 1500, 512):
+            op.set_prefetch(ahead)
+            params = make_params(param_dtype)
+            opt = DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1)
+            copies = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
+            gen = torch.Generator().manual_seed(3)
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen).to(param_dtype)
+                opt.step(fp16_param_groups=[copies] if param_dtype == torch.float32 else None)
+            results[ahead] = [
+                (p.detach().clone(), opt.state[p]["exp_avg_sq"].clone(), c) for p, c in zip(params, copies)
+            ]
+    finally:
+        op.set_prefetch(default)
+    for ahead in (37, 1500, 512):
+        for (p, v, c), (p0, v0, c0) in zip(results[ahead], results[0]):
+            assert torch.equal(p, p0) and torch.equal(v, v0), f"prefetch {ahead} changed the step"
+            if param_dtype == torch.float32:
+                assert torch.equal(c, c0)
+    with pytest.raises(RuntimeError, match="distance in elements >= 0"):
+        op.set_prefetch(-1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("nontemporal, contiguous", [(False, False), (False, True), (True, True)])
-def test_each_vector_path_floor_does_the_steps_traffic(isa, dtype, nontemporal, contiguous):
+@pytest.mark.parametrize(
+    "nontemporal, contiguous, prefetch",
+    [(False, False, 0), (False, True, 0), (True, True, 0), (False, False, 37)],
+)
+def test_each_vector_path_floor_does_the_steps_traffic(isa, dtype, nontemporal, contiguous, prefetch):
     """bandwidth_probe (the benchmark's floor) really reads and writes every element."""
     op = ALL_OPS["cpu_adam"].load()
     gen = torch.Generator().manual_seed(0)
@@ -182,7 +218,7 @@ def test_each_vector_path_floor_does_the_steps_traffic(isa, dtype, nontemporal, 
         p, g = (torch.randn(n, generator=gen).to(dtype) for _ in range(2))
         m, v = (torch.randn(n, generator=gen) for _ in range(2))
         expected = ((p.float() + g.float()).to(dtype), m + g.float(), v + g.float())
-        op.bandwidth_probe(p, g, m, v, nontemporal=nontemporal, contiguous=contiguous)
+        op.bandwidth_probe(p, g, m, v, nontemporal=nontemporal, contiguous=contiguous, prefetch=prefetch)
         for got, want in zip((p, m, v), expected):
             assert torch.equal(got, want)
 

@@ -2,7 +2,9 @@
 
 One library holds every vector path (AVX-512, AVX2, NEON, scalar), each compiled for its
 own instruction set with a per-function target attribute; the library picks the widest one
-the CPU supports when it loads (``DS_CPU_ADAM_ISA`` overrides, ``set_isa`` switches).
+the CPU supports when it loads (``DS_CPU_ADAM_ISA`` overrides, ``set_isa`` switches). On
+Intel CPUs the loop prefetches 512 elements ahead in software (``prefetch``/``set_prefetch``
+read and change the distance; see csrc/adam/adam_kernel.h for why only there).
 """
 
 from deepspeed.ops.op_builder.builder import OpBuilder
