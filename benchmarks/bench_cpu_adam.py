@@ -36,7 +36,7 @@ grad, fp32 states, updated in place (22 bytes; ours, upstream and the floor). to
 fp32 states for bf16 params, so its bf16 rows step an fp32 master (fp32 grad) and copy it
 to the bf16 param with copy_ (34 bytes): what a torch user runs for the same result.
 
-Each round times `reps` steps of every implementation in turn, rotating the order; the
+Each round times `reps` steps of every implementation in turn, in a fresh order; the
 figure is the median over rounds. Ratios are time ratios (below 1: ours is faster).
 """
 
@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -82,10 +83,11 @@ HEADLINE = "8M_fp32_2t"
 # Two processes share the 2 cores: ours (with torch and the floor) and upstream's. After a
 # parallel region, libgomp's worker threads spin (GOMP_SPINCOUNT, milliseconds) before they
 # sleep, so the process that runs next shares its cores with the other's spinning threads.
-# Upstream always came right after the same implementation in the rotation (the first, ours),
-# and measured on 8M fp32 at 2 threads both lost 15-35%: ours 7.2 ms instead of 6.0, upstream
-# 7.2-8.4 ms instead of 4.6-5.7. A pause before and after upstream's turn (untimed) lets the
-# other side's threads park first.
+# Run back to back, ours and upstream each lost 15-35% on 8M fp32 at 2 threads: ours 7.2 ms
+# instead of 6.0, upstream 7.2-8.4 ms instead of 4.6-5.7. A pause before and after upstream's
+# turn (untimed) lets the other side's threads park first. The rounds also used to rotate one
+# fixed order, in which ours always ran right after upstream's turn; each round now runs the
+# implementations in a fresh order, so no one always follows upstream.
 SETTLE_S = 0.02
 LR, WEIGHT_DECAY = 1e-3, 0.01
 
@@ -223,7 +225,9 @@ def measure_case(
     times: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        # A fresh order each round (seeded by the round): in a rotation each implementation
+        # always follows the same one, and ours always followed upstream's turn.
+        for name in random.Random(r).sample(names, len(names)):
             if name == "upstream":  # see [Note: settling around upstream's turn]
                 time.sleep(SETTLE_S)
                 times[name].append(upstream.ask({"cmd": "time", "reps": reps})["s"])
