@@ -97,7 +97,7 @@ DS_TARGET inline void adam_vector(PT* p, const GT* g, float* m, float* v, OT* o,
 // measured with 8M fp32 params, a standalone copy of this loop, 4 KiB pages:
 //   - Zen 4: a prefetch 1024 elements ahead on each of the four streams made the step
 //     10-12% slower at 1 and 2 threads (256 and 4096 ahead were no better).
-//   - Intel (a Sapphire Rapids-class server, family 6 with AVX-512 FP16 and AMX): without
+//   - Intel (Sapphire Rapids or later: family 6 with AVX-512 FP16 and AMX): without
 //     prefetch the step took 1.16-1.20x the streaming floor (p += g, m += g, v += g) at 1
 //     and 2 threads; 512 elements ahead, 1.01-1.03x (256 and 1024: within 2% of 512). The
 //     floor itself gained nothing from the same prefetch, so it stays the floor.
