@@ -105,6 +105,15 @@ DS_TARGET inline void adam_vector(PT* p, const GT* g, float* m, float* v, OT* o,
 // Intel CPUs and 0 elsewhere) and stops `prefetch_ahead` short of the span's end, so it
 // never touches memory outside the span. A prefetch changes no value: results are bitwise
 // the same either way (tested).
+// Element `at` of each of the four streams a step reads, into the cache (see the note above).
+template <class PT, class GT>
+DS_TARGET inline void prefetch_streams(const PT* p, const GT* g, const float* m, const float* v, int64_t at) {
+  __builtin_prefetch(p + at);
+  __builtin_prefetch(g + at);
+  __builtin_prefetch(m + at);
+  __builtin_prefetch(v + at);
+}
+
 template <class PT, class GT, class OT>
 DS_TARGET void adam_span(const ds_adam::Span& t) {
   // Everything the loop reads from `t` and its scalars is copied into locals first: the
@@ -123,10 +132,7 @@ DS_TARGET void adam_span(const ds_adam::Span& t) {
   int64_t i = t.begin;
   if (ahead > 0) {
     for (; i + ahead + V::W <= end; i += V::W) {
-      __builtin_prefetch(p + i + ahead);
-      __builtin_prefetch(g + i + ahead);
-      __builtin_prefetch(m + i + ahead);
-      __builtin_prefetch(v + i + ahead);
+      prefetch_streams(p, g, m, v, i + ahead);
       adam_vector(p + i, g + i, m + i, v + i, offset(o, i), c, decay, from_avg);
     }
   }
@@ -214,10 +220,7 @@ DS_TARGET void floor_span(const ds_adam::Span& t) {
   int64_t i = t.begin;
   if (ahead > 0) {
     for (; i + ahead + V::W <= end; i += V::W) {
-      __builtin_prefetch(p + i + ahead);
-      __builtin_prefetch(g + i + ahead);
-      __builtin_prefetch(m + i + ahead);
-      __builtin_prefetch(v + i + ahead);
+      prefetch_streams(p, g, m, v, i + ahead);
       floor_vector<kStream>(p + i, g + i, m + i, v + i);
     }
   }
