@@ -105,6 +105,7 @@ DS_TARGET inline void adam_vector(PT* p, const GT* g, float* m, float* v, OT* o,
 // Intel CPUs and 0 elsewhere) and stops `prefetch_ahead` short of the span's end, so it
 // never touches memory outside the span. A prefetch changes no value: results are bitwise
 // the same either way (tested).
+
 // Element `at` of each of the four streams a step reads, into the cache (see the note above).
 template <class PT, class GT>
 DS_TARGET inline void prefetch_streams(const PT* p, const GT* g, const float* m, const float* v, int64_t at) {
@@ -191,7 +192,8 @@ DS_TARGET void adam_any(const ds_adam::Span& t) {
 // and three stores per element as an Adam step (param and grad of one type), all loads of a
 // vector before its stores, and nothing else. kStream writes with non-temporal stores (x86;
 // elsewhere plain stores), and the span's `prefetch_ahead` prefetches as the step's loop
-// does; the benchmark takes whichever variant is fastest, so the floor is the best of them. Timings of it are bytes / time: the memory bandwidth for this access pattern.
+// does; the benchmark takes whichever variant is fastest, so the floor is the best of them.
+// Timings of it are bytes / time: the memory bandwidth for this access pattern.
 template <bool kStream, class T>
 DS_TARGET inline void floor_vector(T* p, const T* g, float* m, float* v) {
   const typename V::F param = V::ld(p);

@@ -107,9 +107,16 @@ int64_t& prefetch_ahead() {
   return ahead;
 }
 
+// A distance the loops can use: at least 0 (none) and at most a span, since the prefetching
+// loop stops that far short of a span's end (a larger one would prefetch nothing).
+void check_prefetch(int64_t elements, const char* caller) {
+  TORCH_CHECK(elements >= 0 && elements <= kSpan, "cpu_adam: ", caller,
+              " takes a distance in elements >= 0 (0: none) and <= ", kSpan, " (one span), got ", elements);
+}
+
 // Sets the prefetch distance in elements (0: none); returns the previous one.
 int64_t set_prefetch(int64_t elements) {
-  TORCH_CHECK(elements >= 0, "cpu_adam: set_prefetch takes a distance in elements >= 0 (0: none), got ", elements);
+  check_prefetch(elements, "set_prefetch");
   const int64_t previous = prefetch_ahead();
   prefetch_ahead() = elements;
   return previous;
@@ -325,7 +332,7 @@ void adam_update_copy(const at::Tensor& param, const at::Tensor& grad, const at:
 // `prefetch`: elements to prefetch ahead (0: none), whatever the step's setting.
 void bandwidth_probe(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, bool nontemporal, bool contiguous, int64_t prefetch) {
-  TORCH_CHECK(prefetch >= 0, "cpu_adam: bandwidth_probe takes prefetch >= 0 elements (0: none), got ", prefetch);
+  check_prefetch(prefetch, "bandwidth_probe");
   ds_adam::Span span = describe(0, param, grad, exp_avg, exp_avg_sq, std::nullopt);
   span.prefetch_ahead = prefetch;
   TORCH_CHECK(span.param_type == span.grad_type, "cpu_adam: bandwidth_probe takes a grad of the param's dtype");

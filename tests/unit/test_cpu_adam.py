@@ -201,8 +201,27 @@ def test_each_vector_path_is_bitwise_the_same_with_and_without_prefetch(isa, par
             assert torch.equal(p, p0) and torch.equal(v, v0), f"prefetch {ahead} changed the step"
             if param_dtype == torch.float32:
                 assert torch.equal(c, c0)
-    with pytest.raises(RuntimeError, match="distance in elements >= 0"):
-        op.set_prefetch(-1)
+    for bad in (-1, 2**16 + 1):
+        with pytest.raises(RuntimeError, match=f"distance in elements >= 0 .* got {bad}"):
+            op.set_prefetch(bad)
+    with pytest.raises(RuntimeError, match="bandwidth_probe takes a distance"):
+        n = 64
+        op.bandwidth_probe(torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n), prefetch=-5)
+
+
+@needs_native
+def test_prefetch_is_on_by_default_on_intel_cpus_only():
+    """The default the kernel note argues for: 512 elements on Intel CPUs, none elsewhere."""
+    op = ALL_OPS["cpu_adam"].load()
+    vendor = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
+    code = "from deepspeed.ops.op_builder import ALL_OPS; print(ALL_OPS['cpu_adam'].load().prefetch())"
+    fresh = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    expected = 512 if vendor == "GenuineIntel" and platform.machine() == "x86_64" else 0
+    assert int(fresh.stdout.split()[-1]) == expected, f"vendor {vendor!r}"
+    assert op.prefetch() == expected  # no test left it changed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
