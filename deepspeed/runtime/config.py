@@ -4,8 +4,9 @@ The JSON layout and key names are upstream DeepSpeed 0.19's. Every known top-lev
 field of `DeepSpeedRootConfig`; the sections of upstream features this package does not
 implement (monitors, profilers, compression, ...) are free-form dicts that parse when absent,
 empty or switched off (``{"enabled": false}``) and are refused otherwise, naming the key (see
-[Note: every key is acted on or rejected] in `config_utils`). A misspelt key anywhere is an
-error naming the closest valid ones.
+[Note: every key is acted on or rejected] in `config_utils`). A key that names nothing (a typo,
+another tool's key) is ignored with one warning naming it and the closest valid keys, and a
+dotted top-level key is moved into its section ([Note: unknown and dotted keys] there).
 
 `DeepSpeedConfig` adds what needs more than one key at a time: the batch-size identity
 ``train_batch_size = micro * accumulation * world_size``, and upstream's flat attributes
@@ -35,6 +36,7 @@ from deepspeed.runtime.config_utils import (
     DeepSpeedConfigError,
     DeepSpeedConfigModel,
     Unsupported,
+    apply_dotted_keys,
     parse_section,
     reject_auto_values,
     section_is_off,
@@ -45,6 +47,7 @@ from deepspeed.utils.logging import logger as ds_logger
 
 __all__ = [
     "DeepSpeedBF16Config",
+    "DeepSpeedCompileConfig",
     "DeepSpeedConfig",
     "DeepSpeedConfigError",
     "DeepSpeedFP16Config",
@@ -156,6 +159,39 @@ def _data_types_supported(value: Optional[dict]) -> bool:
     return not extra and (value or {}).get("grad_accum_dtype") in (None, "fp32", "float32")
 
 
+_MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet")
+
+
+def _monitor_block_supported(value: Optional[dict]) -> bool:
+    # Its own `enabled` switches nothing on: only the monitors inside it would write anything.
+    return all(section_is_off((value or {}).get(name)) for name in _MONITORS)
+
+
+class DeepSpeedCompileConfig(DeepSpeedConfigModel):
+    """`compile`: the defaults of `engine.compile()`. The block compiles nothing by itself, as in
+    upstream since its engine stopped wrapping the module: the module is compiled when the
+    client calls `engine.compile()`, which accelerate does for a dynamo-enabled run
+    (`TrainingArguments(torch_compile=True)`); see docs/engine.md."""
+
+    _unsupported: ClassVar[dict[str, Unsupported]] = {
+        "deepcompile": _true_unsupported(
+            "DeepCompile (upstream's compiler passes for ZeRO) is not implemented"
+        ),
+    }
+
+    disable: bool = False
+    """True: `engine.compile()` leaves the module eager, with a warning (torch.compile's `disable`)."""
+
+    backend: Optional[str] = None
+    """The backend `engine.compile()` uses when called without one; unset: the accelerator's."""
+
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for torch.compile; those passed as `compile_kwargs` take precedence."""
+
+    deepcompile: bool = False
+    """Upstream's DeepCompile; true is refused (not implemented)."""
+
+
 class DeepSpeedFP16Config(DeepSpeedConfigModel):
     """`fp16`: train in float16 with a (by default dynamic) loss scale."""
 
@@ -244,7 +280,7 @@ class DeepSpeedSchedulerConfig(DeepSpeedConfigModel):
 
 
 class DeepSpeedRootConfig(DeepSpeedConfigModel):
-    """Every top-level key of a DeepSpeed JSON config; unknown keys are errors."""
+    """Every top-level key of a DeepSpeed JSON config; unknown keys are ignored with a warning."""
 
     _unsupported: ClassVar[dict[str, Unsupported]] = {
         "sparse_gradients": _true_unsupported("gradients are reduce-scattered as dense tensors"),
@@ -284,7 +320,12 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         "wandb": _off("the Weights & Biases monitor"),
         "csv_monitor": _off("the CSV monitor"),
         "comet": _off("the Comet monitor"),
-        "monitor_config": _off("monitoring"),
+        "monitor_config": Unsupported(
+            "monitors are not implemented (upstream never reads a top-level monitor_config either: its "
+            "monitors are the top-level tensorboard, wandb, csv_monitor and comet blocks); remove the "
+            "block or switch off every monitor in it",
+            _monitor_block_supported,
+        ),
         "comms_logger": _off("the communication logger"),
         "aio": Unsupported(
             "async I/O serves NVMe offload, which is not implemented; remove the block or keep "
@@ -294,7 +335,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         "elasticity": _off("elastic training"),
         "pipeline": _off("the pipeline-parallel engine"),
         "autotuning": _off("the autotuner"),
-        "compile": _off("torch.compile / DeepCompile inside the engine", "compile the model yourself"),
         "nebula": _off("the Nebula checkpoint service"),
         "compression_training": _off("compression training"),
         "data_efficiency": _off("data efficiency"),
@@ -429,7 +469,7 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     """Comet monitor settings; refused unless absent, empty or switched off."""
 
     monitor_config: FreeForm = None
-    """Monitor settings in one block; refused unless absent, empty or switched off."""
+    """Monitor settings in one block (LLaMA-Factory writes it); parses while no monitor in it is on."""
 
     comms_logger: FreeForm = None
     """Communication logger settings; refused unless absent, empty or switched off."""
@@ -446,8 +486,8 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     autotuning: FreeForm = None
     """Autotuner settings; refused unless absent, empty or switched off."""
 
-    compile: FreeForm = None
-    """`torch.compile` / DeepCompile settings; refused unless absent, empty or switched off."""
+    compile: DeepSpeedCompileConfig = Field(default_factory=DeepSpeedCompileConfig)
+    """How `engine.compile()` compiles the module (`DeepSpeedCompileConfig`)."""
 
     nebula: FreeForm = None
     """Nebula checkpoint service settings; refused unless absent, empty or switched off."""
@@ -708,11 +748,12 @@ class DeepSpeedConfig:
         self.mesh_device = mesh_device
         self.strict = strict
         self.world_size = _resolve_world_size(world_size, mpu, mesh_device)
+        # Dotted keys first: one may fill a nested "auto" that would otherwise be refused.
+        data = apply_dotted_keys(DeepSpeedRootConfig, self._param_dict)
         if strict:
-            reject_auto_values(self._param_dict)
-            data = self._param_dict
+            reject_auto_values(data)
         else:
-            data = strip_auto_values(self._param_dict)
+            data = strip_auto_values(data)
         self.typed_config = parse_section(DeepSpeedRootConfig, data)
         self._set_batch_sizes()
         self._set_precision_attributes()
@@ -766,6 +807,7 @@ class DeepSpeedConfig:
     def _set_other_attributes(self) -> None:
         typed = self.typed_config
         self.zero_config = typed.zero_optimization
+        self.compile_config = typed.compile
         self.zero_optimization_stage = int(self.zero_config.stage)
         self.zero_enabled = self.zero_config.stage > ZeroStageEnum.disabled
         self.gradient_clipping = typed.gradient_clipping

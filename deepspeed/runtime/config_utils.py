@@ -11,6 +11,9 @@ Four jobs live here, shared by `zero/config.py`, `zero/offload_config.py` and `c
 - Honesty about what is implemented: a class lists in `_unsupported` the fields whose
   non-default values nothing here acts on, and `parse_section` rejects such a value with the
   dotted key and the supported alternative; see [Note: every key is acted on or rejected].
+- Keys this package does not know: `parse_section` drops them with one warning each, and
+  moves a dotted key (``"zero_optimization.reduce_bucket_size"``) into its section; see
+  [Note: unknown and dotted keys].
 
 [Note: why deprecated keys are not fields]
 Upstream keeps old spellings as real fields and copies them over after validation. Here they
@@ -31,11 +34,30 @@ every section is one of:
   buffers). HF, accelerate and Lightning write some of these with non-default values, so
   they cannot be rejected.
 docs/config.md lists every key with what it does here.
+
+[Note: unknown and dotted keys]
+Upstream ignores top-level keys it does not know, and configs in the wild carry them: keys of
+other tools (LLaMA-Factory's ``comms_config``), of newer DeepSpeed versions, and typos. So a key
+that names no field is dropped before validation with one warning per key and process (rank 0),
+which names the full dotted key, says it has no effect, and keeps the did-you-mean suggestion, so
+that ``gradient_acumulation_steps`` is still easy to spot. This holds in every section (upstream
+refuses unknown keys inside its typed sections; we warn there too). A known key set to a value
+nothing here acts on is still refused (the note above): only *unknown* names are let through.
+
+A top-level key with dots whose path names a real nested field is moved into that section
+(TRL writes ``"zero_optimization.reduce_bucket_size"`` next to ``zero_optimization`` when it
+prepares a reference model; upstream ignores such keys). When the section already holds the
+key with a concrete value, that value wins, as upstream's would, and the warning names both:
+TRL's float ``0.9 * hidden * hidden`` differs from the ``int(...)`` HF filled in, so refusing
+would break every ZeRO-3 DPO run. A non-whole float for an integer field is rounded down, as HF
+rounds the same formula.
 """
 
 import dataclasses
 import difflib
 import enum
+import logging
+import math
 import typing
 from collections.abc import Iterator, Sequence
 from pathlib import PurePath
@@ -44,13 +66,17 @@ from typing import Any, Callable, ClassVar, Optional
 from pydantic import AliasChoices, BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
-from deepspeed.utils.logging import logger
+from deepspeed.utils.logging import log_dist, logger
 
 __all__ = [
+    "CONFIG_WARNINGS",
     "DeepSpeedConfigError",
     "DeepSpeedConfigModel",
     "DeprecatedKey",
     "Unsupported",
+    "apply_dotted_keys",
+    "drop_unknown_keys",
+    "merge_dotted_key",
     "field_spellings",
     "find_auto_values",
     "format_loc",
@@ -61,6 +87,7 @@ __all__ = [
     "section_is_off",
     "strip_auto_values",
     "validation_error_to_value_error",
+    "warn_once",
 ]
 
 AUTO = "auto"
@@ -313,6 +340,14 @@ def _describe_error(model_cls: type[BaseModel], error: dict[str, Any], prefix: s
     return text if allowed is None else f"{text}; allowed values: {allowed}"
 
 
+def _suggestion(owner: Optional[type[BaseModel]], name: Any) -> str:
+    """'; did you mean 'a' or 'b'?' for the valid keys of `owner` close to `name`, else ''."""
+    if owner is None or not issubclass(owner, DeepSpeedConfigModel):
+        return ""
+    close = difflib.get_close_matches(str(name), owner.valid_keys(), n=3, cutoff=0.6)
+    return "; did you mean " + " or ".join(repr(c) for c in close) + "?" if close else ""
+
+
 def _describe_unknown_key(model_cls: type[BaseModel], loc: Sequence[Any], prefix: str) -> str:
     key = format_loc(loc, prefix)
     owner, _ = _walk(model_cls, loc)
@@ -321,9 +356,7 @@ def _describe_unknown_key(model_cls: type[BaseModel], loc: Sequence[Any], prefix
     text = f"{key}: unknown key '{loc[-1]}' {where}"
     if owner is None or not issubclass(owner, DeepSpeedConfigModel):
         return text
-    close = difflib.get_close_matches(str(loc[-1]), owner.valid_keys(), n=3, cutoff=0.6)
-    if close:
-        text += "; did you mean " + " or ".join(repr(c) for c in close) + "?"
+    text += _suggestion(owner, loc[-1])
     # Canonical names only: listing every alias as well would double the list.
     return f"{text} Valid keys {where}: {', '.join(owner.model_fields)}"
 
@@ -346,15 +379,144 @@ def validation_error_to_value_error(
 def parse_section(model_cls: type[BaseModel], data: Any, prefix: str = "") -> Any:
     """`model_cls.model_validate(data)`, with errors turned into a readable `ValueError`.
 
-    Values that nothing here acts on are refused too (`reject_unsupported`).
+    Unknown keys are dropped with a warning and dotted ones moved into their section first
+    ([Note: unknown and dotted keys]). Values that nothing here acts on are refused
+    (`reject_unsupported`).
     """
+    data = drop_unknown_keys(model_cls, apply_dotted_keys(model_cls, {} if data is None else data), prefix)
     try:
-        model = model_cls.model_validate({} if data is None else data)
+        model = model_cls.model_validate(data)
     except ValidationError as err:
         # `from None`: the pydantic traceback repeats what the message already says.
         raise validation_error_to_value_error(err, model_cls, prefix) from None
     reject_unsupported(model, prefix)
     return model
+
+
+# ----------------------------------------------------------------------------------------
+# Unknown and dotted keys ([Note: unknown and dotted keys])
+
+
+class _OncePerProcess:
+    """Config warnings already logged: HF, zero.Init, initialize and a reference model each
+    parse the same config, and one warning per key is what the user needs."""
+
+    _seen: set[str]
+
+    def __init__(self) -> None:
+        self._seen = set()
+
+    def warn(self, message: str) -> None:
+        if message in self._seen:
+            return
+        self._seen.add(message)
+        log_dist(message, ranks=[0], level=logging.WARNING)
+
+    def reset(self) -> None:
+        """Forget what was logged (tests that check a warning appears)."""
+        self._seen.clear()
+
+
+CONFIG_WARNINGS = _OncePerProcess()
+
+
+def warn_once(message: str) -> None:
+    """Log a config warning on rank 0, once per process for each distinct message."""
+    CONFIG_WARNINGS.warn(message)
+
+
+def _nested_section(model_cls: type[BaseModel], key: str) -> Optional[type[BaseModel]]:
+    """The typed section class that JSON key `key` of `model_cls` holds, or None."""
+    name = _field_key_for(model_cls, key)
+    return _unwrap_model(model_cls.model_fields[name].annotation) if name else None
+
+
+def drop_unknown_keys(model_cls: type[BaseModel], data: Any, prefix: str = "") -> Any:
+    """A copy of `data` without the keys that `model_cls` and its nested sections do not know,
+    each warned about once, with its dotted key and the closest valid spellings."""
+    if not isinstance(data, dict) or not issubclass(model_cls, DeepSpeedConfigModel):
+        return data  # pydantic reports a wrong type itself
+    known = model_cls.valid_keys()
+    kept: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in known:
+            where = f"in '{prefix}'" if prefix else "at the top level"
+            warn_once(
+                f"DeepSpeed config: unknown key '{dotted}' {where} has no effect here and is "
+                f"ignored{_suggestion(model_cls, key)}"
+            )
+            continue
+        nested = _nested_section(model_cls, key)
+        if nested is not None and isinstance(value, dict):
+            value = drop_unknown_keys(nested, value, dotted)
+        kept[key] = value
+    return kept
+
+
+def apply_dotted_keys(model_cls: type[BaseModel], data: Any) -> Any:
+    """A copy of `data` where each key like ``"zero_optimization.reduce_bucket_size"`` that
+    names a real nested field is moved into its section (`merge_dotted_key`). Dotted keys that
+    name nothing stay, for `drop_unknown_keys` to warn about."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for key in list(out):
+        if not isinstance(key, str) or "." not in key or key in model_cls.valid_keys():
+            continue
+        head, rest = key.split(".", 1)
+        nested = _nested_section(model_cls, head)
+        if nested is None or _walk(nested, rest.split("."))[1] is None:
+            continue
+        spelled = next(iter(_present_spellings(model_cls, _field_key_for(model_cls, head), out)), head)
+        section = {} if out.get(spelled) is None else out[spelled]
+        if isinstance(section, dict):  # a legacy `zero_optimization: true` has no keys to merge into
+            out[spelled] = merge_dotted_key(nested, section, rest, out.pop(key), key)
+    return out
+
+
+def merge_dotted_key(model_cls: type[BaseModel], section: dict, path: str, value: Any, shown: str) -> dict:
+    """A copy of `section` with `value` at `path` (dots for deeper sections), unless the section
+    already sets that key to a concrete value, which wins. `shown` is the key as written."""
+    if _walk(model_cls, path.split("."))[1] is None:
+        return section  # names no field: left to the unknown-key warning
+    section = dict(section)
+    head, _, rest = path.partition(".")
+    name = _field_key_for(model_cls, head)
+    present = _present_spellings(model_cls, name, section)
+    if rest:
+        spelled = present[0] if present else head
+        inner = section.get(spelled)
+        if isinstance(inner, dict) or inner is None:
+            section[spelled] = merge_dotted_key(
+                _nested_section(model_cls, head), inner or {}, rest, value, shown
+            )
+        return section
+    value = _round_down_for_int(model_cls.model_fields[name], value)
+    current = section[present[0]] if present else AUTO
+    if isinstance(current, str) and current == AUTO:
+        for key in present:
+            del section[key]
+        section[head] = value
+        warn_once(
+            f"DeepSpeed config: the top-level key '{shown}' sets that nested key to {value!r}; "
+            "upstream DeepSpeed ignores dotted keys, so write it inside its section"
+        )
+    elif current != value:
+        warn_once(
+            f"DeepSpeed config: the top-level key '{shown}' ({value!r}) is ignored: its section "
+            f"already sets '{present[0]}' to {current!r}, which is used (upstream ignores dotted keys)"
+        )
+    return section
+
+
+def _round_down_for_int(info: FieldInfo, value: Any) -> Any:
+    # TRL writes `0.9 * hidden * hidden`; HF rounds the same formula down for the nested key.
+    kinds = [info.annotation, *typing.get_args(info.annotation)]
+    fractional = isinstance(value, float) and math.isfinite(value) and not value.is_integer()
+    if fractional and int in kinds and float not in kinds:
+        return int(value)
+    return value
 
 
 # ----------------------------------------------------------------------------------------

@@ -958,11 +958,13 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         """`torch.compile` the module in place (`nn.Module.compile`), as upstream's engine does;
         accelerate calls it for a dynamo-enabled DeepSpeed run (HF Trainer's `torch_compile`).
 
-        `backend` defaults to the accelerator's (`get_accelerator().get_compile_backend()`);
-        `compile_kwargs` go to torch.compile. A second call is a no-op. ZeRO-3's module hooks
-        run eagerly between compiled regions (dynamo breaks its graph at them), so stage 3
-        gains less than stages 0-2, whose parameters need no hooks. Upstream's DeepCompile
-        (`schedule`) and compiled autograd are not implemented: refused by name.
+        The config's `compile` block supplies the defaults: `backend` (else the accelerator's,
+        `get_accelerator().get_compile_backend()`) and `kwargs`, under the `compile_kwargs`
+        given here; with `compile.disable` true the module stays eager (a warning says so).
+        A second call is a no-op. ZeRO-3's module hooks run eagerly between compiled regions
+        (dynamo breaks its graph at them), so stage 3 gains less than stages 0-2, whose
+        parameters need no hooks. Upstream's DeepCompile (`schedule`) and compiled autograd are
+        not implemented: refused by name.
         """
         if schedule is not None:
             raise NotImplementedError(
@@ -974,14 +976,22 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             )
         if self._is_compiled:
             return
-        kwargs = dict(compile_kwargs or {})
-        if "backend" in kwargs:
+        settings = self._config.compile_config
+        if "backend" in (compile_kwargs or {}) or "backend" in settings.kwargs:
             raise ValueError(
-                "engine.compile: pass the backend as compile(backend=...), not inside compile_kwargs"
+                "engine.compile: pass the backend as compile(backend=...) or the config's "
+                '"compile": {"backend": ...}, not inside compile_kwargs or compile.kwargs'
             )
+        if settings.disable:
+            logger.warning(
+                'engine.compile(): the config sets "compile": {"disable": true}; the module stays eager'
+            )
+            return
+        kwargs = {**settings.kwargs, **(compile_kwargs or {})}
+        backend = backend or settings.backend or get_accelerator().get_compile_backend()
         if self.coordinator is not None:
             self.coordinator.exclude_from_compile()
-        self.module.compile(backend=backend or get_accelerator().get_compile_backend(), **kwargs)
+        self.module.compile(backend=backend, **kwargs)
         self._is_compiled = True
 
     @property

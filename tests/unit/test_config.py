@@ -21,7 +21,7 @@ from deepspeed.runtime.config import (
     load_config_dict,
     resolve_batch_sizes,
 )
-from deepspeed.runtime.config_utils import DeepSpeedConfigError
+from deepspeed.runtime.config_utils import CONFIG_WARNINGS, DeepSpeedConfigError
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum, get_zero_config
 from deepspeed.runtime.zero.offload_config import (
     DeepSpeedZeroOffloadOptimizerConfig,
@@ -422,29 +422,131 @@ def test_assignment_is_validated():
 # Invalid configs
 
 
-def test_unknown_top_level_key_suggests():
-    with pytest.raises(
-        ValueError, match=r"unknown key 'train_batchsize' at the top level; did you mean 'train_batch_size'"
-    ):
-        DeepSpeedConfig({"train_batchsize": 8})
+@pytest.fixture
+def config_warnings(caplog):
+    """The config warnings logged inside the test; each is logged once per process otherwise."""
+    CONFIG_WARNINGS.reset()
+    with caplog.at_level(logging.WARNING, logger="deepspeed"):
+        yield caplog
+    CONFIG_WARNINGS.reset()
 
 
-def test_unknown_zero_key_suggests_and_lists_valid_keys():
-    with pytest.raises(ValueError) as info:
-        DeepSpeedConfig(
-            {"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket": 5}}
-        )
-    message = str(info.value)
-    assert "zero_optimization.stage3_prefetch_bucket: unknown key" in message
-    assert "did you mean 'stage3_prefetch_bucket_size'" in message
-    assert "Valid keys in 'zero_optimization': stage, contiguous_gradients" in message
+def _lines_naming(caplog, text: str) -> list:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
 
-def test_unknown_offload_key_names_full_path():
-    with pytest.raises(
-        ValueError, match=r"zero_optimization\.offload_param\.pin_memroy: unknown key.*'pin_memory'"
-    ):
-        zero({"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}})
+def test_unknown_top_level_key_is_ignored_with_one_warning_and_suggestion(config_warnings):
+    # A typo must stay easy to spot: the warning names the key, says it does nothing, and
+    # keeps the suggestion; the rest of the config applies as if the key were absent.
+    for _ in range(3):  # HF, zero.Init and initialize each parse the same config
+        cfg = DeepSpeedConfig({"train_batch_size": 8, "gradient_acumulation_steps": 4})
+    assert cfg.gradient_accumulation_steps == 1
+    (line,) = _lines_naming(config_warnings, "gradient_acumulation_steps")
+    assert "unknown key 'gradient_acumulation_steps' at the top level has no effect here" in line
+    assert "did you mean 'gradient_accumulation_steps'" in line
+
+
+def test_other_tools_keys_are_ignored(config_warnings):
+    # LLaMA-Factory's ds_z3_fp8_config.json carries `comms_config`, which upstream ignores.
+    cfg = DeepSpeedConfig({"train_batch_size": 8, "comms_config": {"verbose": False}})
+    assert "comms_config" not in cfg.typed_config.model_dump()
+    assert _lines_naming(config_warnings, "unknown key 'comms_config' at the top level")
+
+
+def test_unknown_nested_keys_warn_with_their_full_path(config_warnings):
+    cfg = DeepSpeedConfig(
+        {
+            "train_batch_size": 8,
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_prefetch_bucket": 5,
+                "offload_param": {"device": "cpu", "pin_memroy": False},
+            },
+        }
+    )
+    assert cfg.zero_config.prefetch_bucket_size == DeepSpeedZeroConfig().prefetch_bucket_size
+    assert cfg.zero_config.offload_param.pin_memory is True  # the misspelt false did nothing
+    (zero_line,) = _lines_naming(config_warnings, "'zero_optimization.stage3_prefetch_bucket'")
+    assert "in 'zero_optimization'" in zero_line and "did you mean 'stage3_prefetch_bucket_size'" in zero_line
+    (offload_line,) = _lines_naming(config_warnings, "'zero_optimization.offload_param.pin_memroy'")
+    assert "did you mean 'pin_memory'" in offload_line
+    # get_zero_config (zero.Init's path) follows the same policy.
+    assert zero({"stage": 3, "no_such_knob": 1}).stage == ZeroStageEnum.weights
+    assert _lines_naming(config_warnings, "'zero_optimization.no_such_knob'")
+
+
+def test_known_key_with_unsupported_value_is_still_refused(config_warnings):
+    with pytest.raises(ValueError, match=r"tensorboard=.*not supported.*TensorBoard monitor"):
+        DeepSpeedConfig({"train_batch_size": 8, "tensorboard": {"enabled": True, "output_path": "runs"}})
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage: got 5"):
+        DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {"stage": 5, "unknown_too": 1}})
+
+
+def test_monitor_config_parses_while_no_monitor_in_it_is_on():
+    # LLaMA-Factory's block: its own `enabled` switches nothing on.
+    block = {"enabled": True, "tag": "DeepSpeedMonitor", "csv_monitor": {"enabled": False}}
+    DeepSpeedConfig({"train_batch_size": 8, "monitor_config": block})
+    block["csv_monitor"]["enabled"] = True
+    with pytest.raises(ValueError, match=r"monitor_config=.*not supported.*monitors are not implemented"):
+        DeepSpeedConfig({"train_batch_size": 8, "monitor_config": block})
+
+
+def test_dotted_top_level_key_sets_the_nested_key(config_warnings):
+    # TRL prepares a reference model with these keys beside the nested section.
+    cfg = DeepSpeedConfig(
+        {
+            "train_batch_size": 8,
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+            "zero_optimization.reduce_bucket_size": 4096,
+            "zero_optimization.stage3_param_persistence_threshold": 640,
+            "zero_optimization.stage3_prefetch_bucket_size": 0.9 * 64 * 64,  # TRL's float
+            "zero_optimization.offload_param.device": "cpu",
+        }
+    )
+    z = cfg.zero_config
+    assert (z.reduce_bucket_size, z.param_persistence_threshold) == (4096, 640)
+    assert z.prefetch_bucket_size == 3686  # rounded down, as HF rounds the same formula
+    assert z.offload_param.device == OffloadDeviceEnum.cpu
+    (line,) = _lines_naming(config_warnings, "'zero_optimization.reduce_bucket_size'")
+    assert "sets that nested key to 4096" in line and "upstream DeepSpeed ignores dotted keys" in line
+    assert "zero_optimization.reduce_bucket_size" not in cfg.typed_config.model_dump()
+
+
+def test_dotted_key_without_a_section_creates_it_and_zero_init_sees_it():
+    cfg = {"train_batch_size": 8, "zero_optimization.stage": 3, "zero_optimization.reduce_bucket_size": 77}
+    assert DeepSpeedConfig(cfg).zero_optimization_stage == 3
+    assert get_zero_config(cfg).reduce_bucket_size == 77 and get_zero_config(cfg).stage == 3
+
+
+def test_dotted_key_loses_to_the_nested_value_with_a_warning_naming_both(config_warnings):
+    # After HF filled the nested key, TRL's dotted copy differs by its fraction (HF rounds it
+    # down, TRL does not); with an explicit nested value it differs more. The nested one wins,
+    # as upstream, which never reads dotted keys: refusing would break TRL at ZeRO-3.
+    cfg = {
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 500},
+        "zero_optimization.reduce_bucket_size": 4096,
+    }
+    assert DeepSpeedConfig(cfg).zero_config.reduce_bucket_size == 500
+    assert get_zero_config(cfg).reduce_bucket_size == 500
+    (line,) = _lines_naming(config_warnings, "'zero_optimization.reduce_bucket_size'")
+    assert "(4096) is ignored" in line and "already sets 'reduce_bucket_size' to 500" in line
+    same = {**cfg, "zero_optimization.reduce_bucket_size": 500.0}
+    assert DeepSpeedConfig(same).zero_config.reduce_bucket_size == 500  # equal: silently the same
+
+
+def test_dotted_key_naming_nothing_is_an_unknown_key(config_warnings):
+    DeepSpeedConfig({"train_batch_size": 8, "zero_optimization.no_such": 1, "optimizer.params.lr": 0.1})
+    assert _lines_naming(config_warnings, "unknown key 'zero_optimization.no_such' at the top level")
+    assert _lines_naming(config_warnings, "unknown key 'optimizer.params.lr' at the top level")
+
+
+def test_dotted_key_fills_a_nested_auto_before_auto_is_refused():
+    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
+    with pytest.raises(ValueError, match=r"zero_optimization\.reduce_bucket_size still set to \"auto\""):
+        DeepSpeedConfig(cfg)
+    cfg["zero_optimization.reduce_bucket_size"] = 1000
+    assert DeepSpeedConfig(cfg).zero_config.reduce_bucket_size == 1000
 
 
 def test_bad_stage_names_key_value_and_allowed():

@@ -73,6 +73,7 @@ SAMPLES = {
     "zero_optimization.offload_optimizer.device": "nvme",
     "activation_checkpointing": {"partitioned_activations": True},  # not a key configure() reads
     "tensorboard": {"enabled": True, "output_path": "runs"},
+    "monitor_config": {"enabled": True, "csv_monitor": {"enabled": True, "output_path": "logs"}},
     "aio": {"block_size": 262144},
     "checkpoint": {"load_universal": True},
     "data_types": {"grad_accum_dtype": "bf16"},

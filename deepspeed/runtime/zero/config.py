@@ -17,6 +17,7 @@ from deepspeed.runtime.config_utils import (
     DeprecatedKey,
     Unsupported,
     logger,
+    merge_dotted_key,
     parse_section,
     reject_auto_values,
     strip_auto_values,
@@ -347,6 +348,9 @@ def get_zero_config(param_dict: Optional[dict[str, Any]], strict: bool = True) -
     `zero.Init`, which HF enters before it fills them; see `deepspeed.runtime.config`).
     """
     section = legacy_zero_value((param_dict or {}).get(ZERO_OPTIMIZATION, {}))
+    for key, value in (param_dict or {}).items():  # TRL's "zero_optimization.<key>" (config_utils' note)
+        if isinstance(section, dict) and isinstance(key, str) and key.startswith(ZERO_OPTIMIZATION + "."):
+            section = merge_dotted_key(DeepSpeedZeroConfig, section, key.split(".", 1)[1], value, key)
     if strict:
         reject_auto_values(section, prefix=ZERO_OPTIMIZATION)
     else:
