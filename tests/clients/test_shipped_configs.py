@@ -15,7 +15,10 @@ held to the fp32 reference at a bfloat16 tolerance. The compile configs get
 `engine.compile(backend="aot_eager")`, as accelerate calls it with the run's own backend.
 
 Exactly the configs in `REFUSED` are refused, each naming a feature not built yet; every
-other one trains.
+other one trains. Measured with the same run on upstream DeepSpeed 0.19.8 (its own venv): the
+same losses to 6 decimals in fp32 (4.149083, 4.157174, 4.201473), 4.201276 against our 4.201289
+at the third bf16 step; upstream refuses axolotl's two compile configs (`disable` and `backend`
+are not keys of its `compile` block).
 """
 
 import copy
