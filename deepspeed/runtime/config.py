@@ -348,6 +348,25 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         "timers": _off("engine timers"),
         "torch_autocast": _off("torch.autocast inside the engine", "use fp16 or bf16"),
         "tensor_parallel": _off("AutoTP tensor parallelism"),
+        # Upstream 0.19.8 keys: known, so that a non-default value is refused rather than
+        # ignored as an unknown key (config_utils' [Note: unknown and dotted keys]).
+        "gradient_allreduce_op": Unsupported(
+            "gradients are always averaged over the data-parallel ranks; remove the key or set it to 'mean'"
+        ),
+        "managed_gradient_accumulation": Unsupported(
+            "the engine always counts micro-steps and steps the optimizer at the accumulation "
+            "boundary; remove the key or set it to true"
+        ),
+        "expert_parallel": _off("AutoEP expert parallelism"),
+        "datastates_ckpt": _off("the DataStates asynchronous checkpoint engine"),
+        "disable_python_gc": Unsupported(
+            "Python's garbage collector runs as usual; remove the key or set it to false",
+            lambda value: value is False or value == 0,
+        ),
+        "log_level": Unsupported(
+            "the package logger's level comes from the DEEPSPEED_LOG_LEVEL environment variable "
+            "(deepspeed.utils.logging); remove the key and set that instead"
+        ),
     }
     _no_effect: ClassVar[dict[str, str]] = {
         "zero_allow_untested_optimizer": "every client optimizer is allowed, as if true (HF and "
@@ -527,6 +546,24 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
 
     tensor_parallel: FreeForm = None
     """Upstream AutoTP training settings; refused unless absent, empty or switched off."""
+
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    """Upstream: average ("mean") or sum gradients over ranks; "sum" is refused (always averaged)."""
+
+    managed_gradient_accumulation: bool = True
+    """Upstream: false leaves accumulation boundaries to the client; refused (always managed)."""
+
+    expert_parallel: FreeForm = None
+    """Upstream AutoEP expert-parallel settings; refused unless absent, empty or switched off."""
+
+    datastates_ckpt: FreeForm = None
+    """Upstream DataStates checkpoint engine settings; refused unless absent, empty or switched off."""
+
+    disable_python_gc: Union[bool, int] = False
+    """Upstream: disable Python's garbage collector (and collect every N steps); refused."""
+
+    log_level: Optional[str] = None
+    """Upstream: the package log level; refused (set DEEPSPEED_LOG_LEVEL instead)."""
 
     @field_validator("zero_optimization", mode="before")
     @classmethod

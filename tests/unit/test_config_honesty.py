@@ -78,6 +78,8 @@ SAMPLES = {
     "checkpoint": {"load_universal": True},
     "data_types": {"grad_accum_dtype": "bf16"},
     "seq_parallel_communication_data_type": "bf16",
+    "log_level": "debug",
+    "datastates_ckpt": {"host_cache_size": 1},  # how upstream switches it on
 }
 # Keys that a refused sample needs beside it, to get past other validation first.
 SAMPLE_SIBLINGS = {

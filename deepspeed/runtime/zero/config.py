@@ -135,6 +135,13 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         "log_trace_cache_warnings": _refuse("trace-cache warnings", "set it to false"),
         "save_muon_momentum_buffer_in_memory": _refuse("Muon NVMe offload options", "set it to false"),
         "zenflow": _refuse("ZenFlow", "remove the key"),
+        # Upstream 0.19.8 keys: known, so that a non-default value is refused rather than
+        # ignored as an unknown key (config_utils' [Note: unknown and dotted keys]).
+        "compute_grad_norm": Unsupported(
+            "the global gradient norm is always computed at the step (engine.get_global_grad_norm()); "
+            "remove the key or set it to true"
+        ),
+        "parameter_alignment": _refuse("upstream's aligned parameter layout", "set it to false"),
     }
     _no_effect: ClassVar[dict[str, str]] = {
         "contiguous_gradients": "gradients are always packed into the contiguous bucket they are "
@@ -276,6 +283,12 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
 
     zenflow: Optional[dict[str, Any]] = None
     """Upstream ZenFlow settings; refused unless absent."""
+
+    compute_grad_norm: bool = True
+    """Upstream: false skips the gradient norm; refused (the norm is always computed)."""
+
+    parameter_alignment: bool = False
+    """Upstream's aligned parameter layout; true is refused (not implemented)."""
 
     @classmethod
     def valid_keys(cls) -> list[str]:
