@@ -236,6 +236,10 @@ class DeepSpeedBF16Config(DeepSpeedConfigModel):
         "check_grad_overflow": _true_unsupported(
             "bf16 steps are not skipped on inf/nan gradients; use fp16 for overflow-skipping steps"
         ),
+        "bf16_master_weights_and_grads": _true_unsupported(
+            "master weights and gradients are always kept in fp32"
+        ),
+        "bf16_optimizer_states": _true_unsupported("optimizer states are always kept in fp32"),
     }
     _no_effect: ClassVar[dict[str, str]] = {
         "immediate_grad_update": "reduced gradients are always added to the fp32 gradient shard as each "
@@ -250,6 +254,12 @@ class DeepSpeedBF16Config(DeepSpeedConfigModel):
 
     check_grad_overflow: bool = False
     """Upstream: skip a step on inf/nan bfloat16 gradients; true is refused (not implemented)."""
+
+    bf16_master_weights_and_grads: bool = False
+    """Upstream: keep master weights and gradients in bfloat16; true is refused (always fp32)."""
+
+    bf16_optimizer_states: bool = False
+    """Upstream: keep optimizer states in bfloat16; true is refused (always fp32)."""
 
 
 class DeepSpeedOptimizerConfig(DeepSpeedConfigModel):
