@@ -1,6 +1,6 @@
 """The pydantic base for every typed config section, and readable errors for bad input.
 
-Four jobs live here, shared by `zero/config.py`, `zero/offload_config.py` and `config.py`:
+Five jobs live here, shared by `zero/config.py`, `zero/offload_config.py` and `config.py`:
 
 - `DeepSpeedConfigModel`: strict (`extra="forbid"`) models that accept a field by its name or
   by its upstream JSON alias, and re-validate on assignment.
@@ -139,9 +139,11 @@ def section_is_off(value: Any) -> bool:
 class DeepSpeedConfigModel(BaseModel):
     """Base of all typed config sections: strict keys, aliases, deprecated spellings.
 
-    Parse through `parse_section` (or `get_zero_config`) for readable errors. Direct
-    construction raises pydantic's `ValidationError`, itself a `ValueError`: a custom
-    `__init__` would also run for every nested section and wrap its errors twice.
+    Parse through `parse_section` (or `get_zero_config`) for readable errors, and for the
+    policy on unknown keys (warned about and dropped before this strict model sees them).
+    Direct construction raises pydantic's `ValidationError`, itself a `ValueError`, on any
+    unknown key: a custom `__init__` would also run for every nested section and wrap its
+    errors twice.
     """
 
     model_config = ConfigDict(
