@@ -12,7 +12,9 @@ that the losses can be held to plain PyTorch's at fp32 tolerance; the configs th
 ``"bf16": {"enabled": true}`` outright (axolotl's zero3_bf16*) are filled as HF requires for
 them, as a ``--bf16`` run (any other choice is an HF mismatch error), and train in bfloat16,
 held to the fp32 reference at a bfloat16 tolerance. The compile configs get
-`engine.compile(backend="aot_eager")`, as accelerate calls it with the run's own backend.
+`engine.compile(backend="aot_eager")`, as accelerate calls it with the run's own backend; a
+second test runs axolotl's zero1_torch_compile.json through HF Trainer itself with
+`torch_compile=True`, where accelerate makes that call.
 
 Exactly the configs in `REFUSED` are refused, each naming a feature not built yet; every
 other one trains. Measured with the same run on upstream DeepSpeed 0.19.8 (its own venv): the
@@ -24,6 +26,8 @@ are not keys of its `compile` block).
 import copy
 import hashlib
 import json
+import math
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -190,3 +194,71 @@ class TestShippedConfigs(DistributedTest):
                 torch.testing.assert_close(
                     torch.tensor(losses), torch.tensor(ref), rtol=LOSS_RTOL[bf16], atol=0, msg=name
                 )
+
+
+def trainer_losses(config_name: str, output_dir, compile_backend=None) -> tuple:
+    """3 HF Trainer steps with a shipped config as axolotl runs it: the file given as
+    `deepspeed=`, `torch_compile` set when a backend is given (accelerate then calls
+    `engine.compile(backend=...)`). Returns (losses by step, whether the engine compiled)."""
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    helpers.reset_clients()
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    compile_args = (
+        {"torch_compile": True, "torch_compile_backend": compile_backend} if compile_backend else {}
+    )
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=MICRO,
+        max_steps=STEPS,
+        learning_rate=LR,
+        weight_decay=0.0,
+        max_grad_norm=CLIP,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+        deepspeed=str(FIXTURES / config_name),
+        accelerator_config={"use_configured_state": True},
+        **compile_args,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(helpers.tiny_llama_config())
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, helpers.VOCAB, (MICRO * 2 * STEPS, SEQ), generator=gen)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=[{"input_ids": r, "labels": r.clone()} for r in ids]
+    )
+    trainer.train()
+    losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    compiled = trainer.model_wrapped.is_compiled
+    helpers.reset_clients()
+    return losses, compiled
+
+
+class TestAxolotlCompileThroughTrainer(DistributedTest):
+    world_size = [2]
+
+    def test_torch_compile_config_trains_as_its_eager_twin(self, tmp_path):
+        """axolotl's zero1_torch_compile.json differs from zero1.json only by its compile
+        block. Through HF Trainer with `torch_compile` (backend aot_eager: inductor's code
+        generation costs a minute here), the engine is compiled and the losses equal the
+        eager twin's to 1e-6 relative."""
+        import torch._dynamo
+
+        twin = json.loads((FIXTURES / "axolotl/zero1_torch_compile.json").read_text())
+        assert twin.pop("compile") == {"disable": False, "backend": "inductor"}
+        assert twin == json.loads((FIXTURES / "axolotl/zero1.json").read_text())
+        eager, eager_compiled = trainer_losses("axolotl/zero1.json", tmp_path / "eager")
+        torch._dynamo.reset()
+        compiled, was_compiled = trainer_losses(
+            "axolotl/zero1_torch_compile.json", tmp_path / "c", "aot_eager"
+        )
+        assert not eager_compiled and was_compiled
+        assert sorted(compiled) == list(range(1, STEPS + 1)), compiled
+        for step, loss in eager.items():
+            assert math.isclose(compiled[step], loss, rel_tol=1e-6), (step, compiled, eager)
