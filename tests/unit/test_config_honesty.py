@@ -43,6 +43,7 @@ PACKAGE = ROOT / "deepspeed"
 CONFIG_MODULES = {
     PACKAGE / "runtime" / "config.py",
     PACKAGE / "runtime" / "config_utils.py",
+    PACKAGE / "runtime" / "config_loading.py",
     PACKAGE / "runtime" / "zero" / "config.py",
     PACKAGE / "runtime" / "zero" / "offload_config.py",
 }
