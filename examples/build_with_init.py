@@ -10,6 +10,7 @@ model (parameters and a forward pass) with a plain model built from the same see
 """
 
 import argparse
+import os
 import sys
 
 import torch
@@ -66,15 +67,26 @@ def full_state(model: nn.Module) -> dict:
         return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def rank_and_world() -> tuple:
+    """(rank, world size); (0, 1) in a plain run, the only case with no process group.
+
+    Under a launcher `main()` joins the group first and `--zero3` makes `zero.Init` create
+    one, so a missing group here means this process really is alone.
+    """
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--zero3", action="store_true", help="partition parameters with ZeRO-3")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher; unused")
     args = parser.parse_args()
+    if "WORLD_SIZE" in os.environ:  # started by a launcher: join the group before any rank is asked
+        deepspeed.init_distributed(verbose=False)
 
     reference = build(zero3=False)
     model = build(zero3=args.zero3)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = rank_and_world()
     tag = f"[rank {rank}/{world}]"
 
     if args.zero3:

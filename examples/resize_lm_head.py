@@ -11,6 +11,7 @@ ZeRO-3 result with a plain run from the same seed.
 """
 
 import argparse
+import os
 import sys
 
 import torch
@@ -55,18 +56,29 @@ def full(*params: torch.Tensor) -> list:
         return [p.detach().clone() for p in params]
 
 
+def rank_and_world() -> tuple:
+    """(rank, world size); (0, 1) in a plain run, the only case with no process group.
+
+    Under a launcher `main()` joins the group first and `--zero3` makes `zero.Init` create
+    one, so a missing group here means this process really is alone.
+    """
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--zero3", action="store_true", help="partition parameters with ZeRO-3")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher; unused")
     args = parser.parse_args()
+    if "WORLD_SIZE" in os.environ:  # started by a launcher: join the group before any rank is asked
+        deepspeed.init_distributed(verbose=False)
 
     plain_old = build_head(zero3=False)
     plain_new = resize_lm_head(plain_old, NEW_VOCAB, zero3=False)
 
     old = build_head(zero3=args.zero3)
     new = resize_lm_head(old, NEW_VOCAB, zero3=args.zero3)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = rank_and_world()
     tag = f"[rank {rank}/{world}]"
 
     if args.zero3:

@@ -1,6 +1,7 @@
 """The main job: ZeRO-3 on CPU processes with gloo, one step further with each capability.
 
     deepspeed --num_procs 2 examples/zero3_demo.py       (what `make demo` runs)
+    python examples/zero3_demo.py                        (one process: the same code, world size 1)
 
 It builds a small transformer with `zero.Init(...).start()` / `stop()`, checks that the
 partitioned model equals the same-seed plain model, edits a weight once with
