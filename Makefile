@@ -20,7 +20,7 @@ demo: setup
 	$(VENV)/bin/deepspeed --num_procs 2 examples/zero3_demo.py
 
 test: setup
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	$(PY) -m pytest tests -q -rs -p no:cacheprovider
 
 lint: setup
 	$(VENV)/bin/ruff check deepspeed tests benchmarks examples

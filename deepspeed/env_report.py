@@ -78,12 +78,35 @@ def _accelerator_lines(hide_errors: bool) -> list[str]:
             _line("accelerator", accel._name),
             _line("communication backend", accel.communication_backend_name()),
             _line("device count", accel.device_count()),
-            _line("bf16 supported", accel.is_bf16_supported()),
-            _line("fp16 supported", accel.is_fp16_supported()),
-        ]
+        ] + _half_precision_lines(accel)
     except Exception as exc:  # a report should still print when the accelerator is broken
         detail = "" if hide_errors else f" ({type(exc).__name__}: {exc})"
         return [_line("accelerator", f"unavailable{detail}")]
+
+
+def _half_precision_lines(accel) -> list[str]:
+    """bf16 / fp16 with the accelerator's answer (the one clients such as accelerate act on).
+
+    On the CPU that answer is about *native* half-precision math, so a bare `False` for fp16
+    reads as "fp16 does not work" while fp16 training runs (torch emulates the ops): say both.
+    """
+    bf16, fp16 = accel.is_bf16_supported(), accel.is_fp16_supported()
+    if accel._name != "cpu":
+        return [_line("bf16 supported", bf16), _line("fp16 supported", fp16)]
+    import torch
+
+    try:
+        native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native_bf16 = False
+
+    def line(name: str, answer: bool, native: bool) -> str:
+        how = "yes" if native else "no, torch emulates it (slower)"
+        return _line(
+            f"{name} supported", f"{answer} (native {name} math: {how}; {name} training runs on this CPU)"
+        )
+
+    return [line("bf16", bf16, native_bf16), line("fp16", fp16, fp16)]
 
 
 def _extensions_dir() -> str:

@@ -358,9 +358,8 @@ def _describe_unknown_key(model_cls: type[BaseModel], loc: Sequence[Any], prefix
     text = f"{key}: unknown key '{loc[-1]}' {where}"
     if owner is None or not issubclass(owner, DeepSpeedConfigModel):
         return text
-    text += _suggestion(owner, loc[-1])
-    # Canonical names only: listing every alias as well would double the list.
-    return f"{text} Valid keys {where}: {', '.join(owner.model_fields)}"
+    # A pointer, not the list: dozens of keys on one line bury the did-you-mean.
+    return f"{text}{_suggestion(owner, loc[-1])} (docs/config.md lists every key and its aliases)"
 
 
 def validation_error_to_value_error(

@@ -561,7 +561,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elif not args.check:
             with open(path, "wb") as f:
                 f.write(new_source)
-    print(f"{found} sites found, {rewritten} rewritten, {refused} refused")
+    verb = "would be rewritten" if dry_run else "rewritten"  # --check / --diff write nothing
+    print(f"{found} sites found, {rewritten} {verb}, {refused} refused")
     if args.check and changed_files:
         return 1
     return status

@@ -322,15 +322,17 @@ def test_cli_check_diff_and_in_place(tmp_path, capsys):
     assert main(["--check", str(path)]) == 1
     out = capsys.readouterr().out
     assert f"{path}:7: would rewrite GatheredParameters site (enabled= form)" in out
-    assert out.rstrip().endswith("2 sites found, 2 rewritten, 0 refused")
+    assert out.rstrip().endswith("2 sites found, 2 would be rewritten, 0 refused")
     assert path.read_text() == COPY_ROWS
     assert main(["--diff", str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    assert out.rstrip().endswith("2 sites found, 2 would be rewritten, 0 refused")  # nothing written
     assert "+    gather = deepspeed.zero.GatheredParameters(" in out and path.read_text() == COPY_ROWS
     assert main([str(path)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("2 sites found, 2 rewritten, 0 refused")
     assert "gather.stop()" in path.read_text()
     assert main(["--check", str(path)]) == 0
-    assert capsys.readouterr().out.rstrip().endswith("0 sites found, 0 rewritten, 0 refused")
+    assert capsys.readouterr().out.rstrip().endswith("0 sites found, 0 would be rewritten, 0 refused")
 
 
 def test_transformers_modeling_utils(tmp_path):

@@ -782,3 +782,18 @@ def test_leaf_module_classes_match_by_name_or_module_path(caplog):
         config = DeepSpeedZeroConfig(leaf_module={"names": ["missing"], "classes": []}).leaf_module
         assert apply_leaf_module_config(nn.Sequential(nn.Linear(2, 2)), config) == []
     assert "['missing']" in caplog.text and "matched no module" in caplog.text
+
+
+def test_strict_unknown_key_error_keeps_the_suggestion_and_points_to_the_docs():
+    """A strict model's unknown-key error names the key and the close spellings, then points to
+    docs/config.md instead of listing every valid key on one line."""
+    from pydantic import ValidationError
+
+    from deepspeed.runtime.config_utils import validation_error_to_value_error
+
+    with pytest.raises(ValidationError) as caught:
+        DeepSpeedZeroConfig.model_validate({"stage": 3, "overlap_comn": True})
+    message = str(validation_error_to_value_error(caught.value, DeepSpeedZeroConfig, "zero_optimization"))
+    assert "unknown key 'overlap_comn' in 'zero_optimization'; did you mean 'overlap_comm'?" in message
+    assert message.endswith("(docs/config.md lists every key and its aliases)"), message
+    assert "reduce_bucket_size" not in message  # no list of every valid key

@@ -35,6 +35,20 @@ def test_general_info(capsys):
     assert "cpu_adam" not in out
 
 
+def test_half_precision_lines_say_training_runs_even_without_native_math(capsys, monkeypatch):
+    """On the CPU, `fp16 supported` is upstream's native-math answer; the line must not read as
+    "fp16 does not work" when fp16 training runs (emulated)."""
+    accel = get_accelerator()
+    if accel._name != "cpu":
+        pytest.skip("the CPU accelerator's wording")
+    monkeypatch.setattr(type(accel), "is_fp16_supported", lambda self: False)
+    out = run_report(capsys, "--hide_operator_status")
+    fp16 = value_of(out, "fp16 supported")
+    assert fp16.startswith("False (native fp16 math: no, torch emulates it"), fp16
+    assert fp16.endswith("fp16 training runs on this CPU)"), fp16
+    assert value_of(out, "bf16 supported").startswith(f"{accel.is_bf16_supported()} (native bf16 math: ")
+
+
 def test_op_table(capsys):
     out = run_report(capsys)
     op = ALL_OPS["cpu_adam"]
