@@ -12,6 +12,7 @@ as stage 1: the same results as plain data parallelism, with the optimizer state
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from typing import Any, Optional, Union
 
@@ -395,6 +396,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             self.coordinator.on_leaf_backward_done = self._on_leaf_backward_done
         handles = []
         for state in self.optimizer.states:
+            if self.coordinator is not None:  # [Note: a gradient needs its parameter whole] in hooks.py
+                gather_first = functools.partial(self.coordinator.gather_for_gradient, state.param)
+                handles.append(state.param.register_hook(gather_first))
             handles.append(state.param.register_post_accumulate_grad_hook(self._on_grad_ready))
         untrained = self.optimizer.untrained(self.module)
         if untrained and dist.get_rank() == 0:
@@ -412,6 +416,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         return handles
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if self.coordinator is not None:
+            self.coordinator.release_after_gradient(param)
         if not self._inside_backward and len(self._stray_grads) < 3:
             self._stray_grads.append(param)  # refused at the next backward or step, see _refuse_stray_grads
         if self.zero_optimization_partition_gradients():

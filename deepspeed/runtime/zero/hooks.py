@@ -59,11 +59,24 @@ next pass. A parameter used outside its module inside a leaf is registered with 
 The coordinator also counts each leaf's forward uses in a pass and tells the engine when the
 backward of the last one is over (`on_leaf_backward_done`), when the leaf's gradients are
 reduced as one unit (leaf_grads.py).
+
+[Note: a gradient needs its parameter whole]
+Autograd accumulates a leaf's gradient into `param.grad` shaped like the parameter: while the
+parameter is partitioned (`param.data` of shape [0]) that copy fails ("The size of tensor a
+(0) must match the size of tensor b ..."). The bracket above keeps a submodule's parameters
+gathered through its own backward, but a gradient can also reach a parameter that no
+submodule holds: a custom autograd function that gathered the weight itself in forward and
+in its backward (TRL's fused LM head reads `lm_head.weight` and never calls `lm_head`), or a
+parameter used outside any hooked module. So a gradient hook on every partitioned parameter
+gathers one that is not available when its gradient arrives (`gather_for_gradient`), and the
+engine's post-accumulate hook releases it once the gradient is taken (`release_after_gradient`).
+Every rank runs the same graph, so every rank issues these gathers in the same order.
 """
 
 from __future__ import annotations
 
 import bisect
+import types
 from typing import Any, Optional
 
 import torch
@@ -71,8 +84,12 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from deepspeed.runtime.zero import gather
-from deepspeed.runtime.zero.param_state import ACCESS_HOOK, is_zero_param, zero_params_in
-from deepspeed.runtime.zero.partition_parameters import external_parameters, register_external_parameter
+from deepspeed.runtime.zero.param_state import ACCESS_HOOK, ZeroParamStatus, is_zero_param, zero_params_in
+from deepspeed.runtime.zero.partition_parameters import (
+    external_parameters,
+    named_external_parameters,
+    register_external_parameter,
+)
 from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
 
@@ -144,7 +161,7 @@ class _Hold:
 
     def __init__(self, module: nn.Module, phase: str, states: list) -> None:
         self.module = module
-        self.phase = phase  # "forward", "backward" or "recompute"
+        self.phase = phase  # "forward", "backward", "recompute" or "gradient"
         self.states = states  # ZeroParamStates this owner holds, one hold each
 
     def __repr__(self) -> str:
@@ -296,6 +313,9 @@ class ParameterCoordinator:
         # in the pass is over (leaf_grads.py); id(leaf) -> forward uses whose backward is pending.
         self.on_leaf_backward_done: Optional[Any] = None
         self.leaf_uses: dict = {}
+        # id(ZeroParamState) -> the _Hold that keeps it whole while autograd accumulates a
+        # gradient no submodule's backward was holding it for (see the note)
+        self.gradient_holds: dict = {}
         # id(module) -> what its forward and backward hold, computed once per pass: backward
         # (and a checkpointed recomputation) reuses the forward's list. Cleared when a pass
         # starts, and per module when a parameter used outside it is registered with it.
@@ -317,8 +337,10 @@ class ParameterCoordinator:
         return f"ParameterCoordinator({type(self.module).__name__})"
 
     def _register_deepspeed_module(self, module: nn.Module) -> None:
-        """Install the forward hooks on every submodule of `module` (see the note above)."""
+        """Install the forward hooks on every submodule of `module` (see the note above), and
+        give each its upstream `ds_external_parameters()` method, which TRL walks."""
         for sub in module.modules():
+            sub.__dict__["ds_external_parameters"] = types.MethodType(named_external_parameters, sub)
             self.forward_hooks.append(sub.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self.forward_hooks.append(
                 sub.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
@@ -510,6 +532,22 @@ class ParameterCoordinator:
                 if self.on_leaf_backward_done is not None:
                     self.on_leaf_backward_done(module)
 
+    def gather_for_gradient(self, param: nn.Parameter, grad: Optional[torch.Tensor] = None) -> None:
+        """A gradient for `param` is about to be accumulated: gather it if nothing holds it.
+        A tensor hook on `param` (it passes `grad`, which goes on unchanged)."""
+        state = param._zero_state
+        if state.status is ZeroParamStatus.AVAILABLE or id(state) in self.gradient_holds:
+            return  # whole already (a submodule's backward, a persistent or user-gathered one)
+        hold = _Hold(self.module, "gradient", [state])
+        gather.fetch_states(hold.states, hold)
+        self.gradient_holds[id(state)] = hold
+
+    def release_after_gradient(self, param: nn.Parameter) -> None:
+        """`param.grad` was taken: drop the hold `gather_for_gradient` took, if it took one."""
+        hold = self.gradient_holds.pop(id(param._zero_state), None)
+        if hold is not None:
+            gather.release_states(hold.states, hold)
+
     def finish_backward(self) -> None:
         """Release what the backward pass left held (see both notes) and close the pass."""
         self.end_pass()
@@ -533,6 +571,9 @@ class ParameterCoordinator:
             for hold in holds:
                 self._release(hold)
         self.recompute_holds.clear()
+        for hold in self.gradient_holds.values():  # a gradient whose accumulation failed
+            gather.release_states(hold.states, hold)
+        self.gradient_holds.clear()
         self.leaf_uses.clear()
         if self.forward_holds:
             self.forward_holds.clear()
@@ -547,6 +588,7 @@ class ParameterCoordinator:
         """Forward and backward holds that are live now (none between passes)."""
         backward = [hold for holds in self.backward_holds.values() for hold in holds]
         backward += [hold for holds in self.recompute_holds.values() for hold in holds]
+        backward += list(self.gradient_holds.values())
         return [hold for hold in self.forward_holds + backward if hold.states]
 
 
