@@ -45,12 +45,13 @@ def parse_case(case: str) -> dict:
 
 
 def worker(case: str, out_path: str) -> None:
-    """One rank of one case: run the workflow, rank 0 writes the result as JSON."""
+    """One rank of one case: run the workflow in the folder of `out_path` (shared by the
+    ranks, as a training run's output_dir is), rank 0 writes the result as JSON."""
     from tests.clients import trl_workflows
 
     spec = parse_case(case)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = trl_workflows.WORKFLOWS[spec["workflow"]](tmp, spec["stage"], spec["offload"])
+    run_dir = os.path.join(os.path.dirname(out_path), "run")
+    result = trl_workflows.WORKFLOWS[spec["workflow"]](run_dir, spec["stage"], spec["offload"])
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out_path, "w") as f:
             json.dump({"losses": result["losses"]}, f)

@@ -83,6 +83,20 @@ def preference_dataset(n: int = 16, seed: int = 0):
     return Dataset.from_list(rows)
 
 
+def on_disk(dataset, path):
+    """`dataset` saved by the main process and read back by every rank: TRL's
+    `precompute_ref_log_probs` writes its cache next to the dataset's files, which an
+    in-memory dataset keeps in a temporary folder of each process's own."""
+    from accelerate import PartialState
+    from datasets import load_from_disk
+
+    state = PartialState()
+    if state.is_main_process:
+        dataset.save_to_disk(str(path))
+    state.wait_for_everyone()
+    return load_from_disk(str(path))
+
+
 def prompt_dataset(n: int = 16, seed: int = 0):
     from datasets import Dataset
 
@@ -207,7 +221,7 @@ def run_dpo(output_dir, stage: int, offload: bool = False, precompute: bool = Fa
         model=causal_lm(),
         ref_model=ref_model,
         args=args,
-        train_dataset=preference_dataset(),
+        train_dataset=on_disk(preference_dataset(), os.path.join(str(output_dir), "data")),
         processing_class=tokenizer(),
     )
     trainer.train()

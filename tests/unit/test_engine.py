@@ -191,6 +191,30 @@ class TestEngineParity(DistributedTest):
         assert len(external) == 1 and external[0] is engine.module.head.bias
 
     @run_on(2)
+    def test_a_second_engine_on_the_same_module_takes_the_hooks_over(self):
+        """TRL's DPO with precompute_ref_log_probs: an inference engine scores with the model,
+        then the training engine wraps the same model. One set of hooks stays (the newest
+        engine's), training matches the plain run, and the first engine still answers."""
+        data = batches(3, seed=8)
+        reference, ref_losses = reference_run(data)
+        torch.manual_seed(42)
+        model = TinyLM()
+        cfg = config()
+        scorer, *_ = deepspeed.initialize(
+            model=model, config={k: v for k, v in cfg.items() if k != "optimizer"}
+        )
+        ids, labels = my_slice(data[0][0]), my_slice(data[0][1])
+        with torch.no_grad():
+            scorer(ids, labels)
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        assert all(len(m._forward_pre_hooks) == 1 for m in model.modules()), "one set of hooks"
+        losses = train(engine, data)
+        assert_parity(engine, losses, reference, ref_losses)
+        with torch.no_grad():
+            assert torch.equal(scorer(ids, labels), engine(ids, labels))
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
+
+    @run_on(2)
     def test_hooks_removed_and_registered_again_as_trl_generates(self):
         """TRL's `unwrap_model_for_generation` at ZeRO-3: with every parameter gathered, it removes
         the engine's module hooks through `optimizer.parameter_offload`, runs the bare module, and

@@ -60,6 +60,15 @@ The coordinator also counts each leaf's forward uses in a pass and tells the eng
 backward of the last one is over (`on_leaf_backward_done`), when the leaf's gradients are
 reduced as one unit (leaf_grads.py).
 
+[Note: one engine hooks a module]
+A module can be handed to `deepspeed.initialize` twice while the first engine lives: TRL's
+DPO with `precompute_ref_log_probs` wraps the policy in an inference engine to score the data,
+then the Trainer wraps the same model in the training engine. Two sets of hooks on one module
+would each take holds and push access hooks, and unwind out of order. So the newest engine's
+coordinator takes the hooks over: it removes those of any coordinator whose module lies
+inside its own, and the older engine keeps working through them (its forward calls the same
+module, whose hooks now belong to the new coordinator).
+
 [Note: a gradient needs its parameter whole]
 Autograd accumulates a leaf's gradient into `param.grad` shaped like the parameter: while the
 parameter is partitioned (`param.data` of shape [0]) that copy fails ("The size of tensor a
@@ -331,10 +340,20 @@ class ParameterCoordinator:
         # handle of its own here: its gradient hooks are set on tensors during each forward.
         self.forward_hooks: list = []
         self.backward_hooks: list = []
+        self._take_over_hooks(module)
         self._register_deepspeed_module(module)
 
     def __repr__(self) -> str:
         return f"ParameterCoordinator({type(self.module).__name__})"
+
+    def _take_over_hooks(self, module: nn.Module) -> None:
+        """Remove the hooks of earlier coordinators of `module` or its parts (see the note)."""
+        inside = {id(sub) for sub in module.modules()}
+        for sub in module.modules():
+            previous = sub.__dict__.get("_ds_coordinator")
+            if previous is not None and previous is not self and id(previous.module) in inside:
+                previous.remove_hooks()
+            sub.__dict__["_ds_coordinator"] = self
 
     def _register_deepspeed_module(self, module: nn.Module) -> None:
         """Install the forward hooks on every submodule of `module` (see the note above), and
