@@ -22,7 +22,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UPSTREAM_PY = os.path.join(ROOT, "benchmarks", ".venv-upstream", "bin", "python")
+# setup_upstream.sh's venv; UPSTREAM_PYTHON names another (a git worktree has none of its own)
+UPSTREAM_PY = os.environ.get(
+    "UPSTREAM_PYTHON", os.path.join(ROOT, "benchmarks", ".venv-upstream", "bin", "python")
+)
 CASES = [
     "sft:3",
     "sft:2:offload",
@@ -54,7 +57,7 @@ def worker(case: str, out_path: str) -> None:
     result = trl_workflows.WORKFLOWS[spec["workflow"]](run_dir, spec["stage"], spec["offload"])
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out_path, "w") as f:
-            json.dump({"losses": result["losses"]}, f)
+            json.dump({k: result[k] for k in ("losses", "rewards") if k in result}, f)
 
 
 def free_port() -> int:
@@ -82,10 +85,18 @@ def launch(side: str, case: str, timeout_s: int) -> dict:
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout_s}s"}
         if proc.returncode != 0 or not os.path.exists(out):
-            lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
+            lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("[rank0]:") and "Error" in ln]
+            lines = lines or [ln for ln in proc.stderr.splitlines() if "Error" in ln]
             return {"error": (lines[-1] if lines else proc.stderr[-300:]).strip()}
         with open(out) as f:
             return json.load(f)
+
+
+def format_result(result: dict) -> str:
+    text = " ".join(f"{x:.6f}" for x in result["losses"])
+    if "rewards" in result:  # GRPO's loss is 0 at these steps; its rewards show the policy
+        text += " (reward " + " ".join(f"{x:.4f}" for x in result["rewards"]) + ")"
+    return text
 
 
 def main() -> None:
@@ -100,13 +111,17 @@ def main() -> None:
         worker(args.worker, args.out)
         return
     sides = [args.only] if args.only else ["ours", "upstream"]
+    if "upstream" in sides and not os.path.exists(UPSTREAM_PY):
+        parser.error(
+            f"no upstream venv at {UPSTREAM_PY}: run benchmarks/setup_upstream.sh or set UPSTREAM_PYTHON"
+        )
     print("| case | " + " | ".join(sides) + " |")
     print("|---" * (len(sides) + 1) + "|")
     for case in args.cases:
         cells = []
         for side in sides:
             result = launch(side, case, args.timeout)
-            cells.append(result.get("error") or " ".join(f"{x:.4f}" for x in result["losses"]))
+            cells.append(result.get("error") or format_result(result))
         print(f"| {case} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -218,7 +218,8 @@ class TestEngineParity(DistributedTest):
     def test_hooks_removed_and_registered_again_as_trl_generates(self):
         """TRL's `unwrap_model_for_generation` at ZeRO-3: with every parameter gathered, it removes
         the engine's module hooks through `optimizer.parameter_offload`, runs the bare module, and
-        registers them again; training before and after must match the plain run."""
+        registers them again; training before and after must match the plain run, and equal,
+        bit for bit, the same engine run without that step."""
         data = batches(4, seed=5)
         reference, ref_losses = reference_run(data)
         engine, losses = engine_run(data[:2])
@@ -245,6 +246,8 @@ class TestEngineParity(DistributedTest):
             hooked = engine.module(my_slice(ids), my_slice(labels))  # the hooks gather again
         assert torch.equal(bare, hooked)
         losses += train(engine, data[2:])
+        _, uninterrupted = engine_run(data)  # the same engine run without the generation step
+        assert losses == uninterrupted, "lifting and restoring the hooks changed training"
         assert_parity(engine, losses, reference, ref_losses)
         assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
 
