@@ -12,6 +12,7 @@ as stage 1: the same results as plain data parallelism, with the optimizer state
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from typing import Any, Optional, Union
 
@@ -31,6 +32,8 @@ from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
 from deepspeed.runtime.zero.leaf_grads import LeafGradients
 from deepspeed.runtime.zero.linear import route_linears
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+from deepspeed.runtime.zero.offload_states import StateOffloader
 from deepspeed.runtime.zero.param_state import ZeroParamStatus, is_zero_param
 from deepspeed.runtime.zero.partition_parameters import GatherHold, Init, cast_partitioned
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3, ZeroStage3Optimizer
@@ -95,6 +98,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._boundary_override: Optional[bool] = None
         self._inside_backward = False  # engine.backward is running autograd
         self._stray_grads: list = []  # params whose gradients came from a backward outside it
+        self._offloader = StateOffloader(self)  # what offload_states() moved off the accelerator
         # Stage 0: `param.grad` holds the average of every gradient so far (see
         # stage_1_and_2.allreduce_whole_grads); the next backward or zero_grad clears it.
         self._whole_grads_reduced = False
@@ -395,6 +399,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             self.coordinator.on_leaf_backward_done = self._on_leaf_backward_done
         handles = []
         for state in self.optimizer.states:
+            if self.coordinator is not None:  # [Note: a gradient needs its parameter whole] in hooks.py
+                gather_first = functools.partial(self.coordinator.gather_for_gradient, state.param)
+                handles.append(state.param.register_hook(gather_first))
             handles.append(state.param.register_post_accumulate_grad_hook(self._on_grad_ready))
         untrained = self.optimizer.untrained(self.module)
         if untrained and dist.get_rank() == 0:
@@ -412,6 +419,8 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         return handles
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if self.coordinator is not None:
+            self.coordinator.release_after_gradient(param)
         if not self._inside_backward and len(self._stray_grads) < 3:
             self._stray_grads.append(param)  # refused at the next backward or step, see _refuse_stray_grads
         if self.zero_optimization_partition_gradients():
@@ -436,6 +445,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     # ------------------------------------------------------------------ training
 
     def forward(self, *args, **kwargs):
+        self._offloader.refuse_while_offloaded("forward()", [OffloadStateTypeEnum.lp_params])
         args, kwargs = forward_prologue(self, args, kwargs)  # fp16.auto_cast
         # The module's own hooks gather, release and mark where a pass starts and ends, so a
         # direct call of the module (generate, an eval loop) behaves the same (see hooks.py).
@@ -484,6 +494,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 "engine.backward() needs an optimizer; pass one to deepspeed.initialize or the config"
             )
         self._refuse_stray_grads("engine.backward()")
+        self._offloader.refuse_while_offloaded("backward()")
         if not self.enable_backward_allreduce and self.zero_optimization_partition_gradients():
             raise RuntimeError(
                 f"engine.enable_backward_allreduce=False leaves gradients unreduced for allreduce_gradients(), "
@@ -621,6 +632,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 "not reduced yet; leave the `with engine.no_sync():` block first (the step then reduces them)"
             )
         self._refuse_stray_grads("engine.step()")
+        self._offloader.refuse_while_offloaded("step()")
         self._memory_report("Engine before step")
         self._start_timers("step")
         try:
@@ -730,6 +742,25 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
     def device(self) -> torch.device:
 
         return torch.device(get_accelerator().current_device_name())
+
+    def offload_states(
+        self,
+        include: Optional[Any] = None,
+        device: OffloadDeviceEnum = OffloadDeviceEnum.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Move the named states (all if `include` is None) to host memory, freeing their
+        accelerator storage; `reload_states()` puts them back. See zero/offload_states.py."""
+        if self.coordinator is not None and self.coordinator.pass_holds():
+            raise RuntimeError(
+                "engine.offload_states() was called inside a forward or backward; call it after step()"
+            )
+        self._offloader.offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back, bit for bit, every state `offload_states()` moved."""
+        self._offloader.reload(non_blocking)
 
     def destroy(self) -> None:
         """Remove every hook the engine installed; parameters stay partitioned."""

@@ -1,6 +1,7 @@
 """The stage-3 engine on spawned gloo groups against a single-process torch reference."""
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -29,6 +30,36 @@ class TinyLM(nn.Module):
         h = self.embed(ids)
         h = self.norm(h + self.down(torch.nn.functional.gelu(self.up(h))))
         logits = self.head(h)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+class _SelfGatheringMatmul(torch.autograd.Function):
+    """`h @ weight.T` on a weight read directly, as fused LM heads do (TRL's): the owning module
+    never runs, so no engine hook holds the weight. The caller gathers it around `apply`, the
+    backward gathers it again itself, and autograd accumulates its gradient after that gather
+    ended, into a parameter that is partitioned again."""
+
+    @staticmethod
+    def forward(ctx, h, weight):
+        ctx.save_for_backward(h, weight)
+        return h @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight = ctx.saved_tensors
+        with deepspeed.zero.GatheredParameters([weight]):
+            grad_h = grad @ weight
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
+        return grad_h, grad_w
+
+
+class FusedHeadLM(TinyLM):
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        h = self.norm(h + self.down(torch.nn.functional.gelu(self.up(h))))
+        with deepspeed.zero.GatheredParameters([self.head.weight]):
+            logits = _SelfGatheringMatmul.apply(h, self.head.weight)
+        logits = logits + self.head.bias
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
@@ -64,9 +95,9 @@ def config(gas=1, clip=0.0, lr=3e-3, **extra):
     return cfg
 
 
-def reference_run(data, lr=3e-3, clip=0.0):
+def reference_run(data, lr=3e-3, clip=0.0, model_cls=TinyLM):
     torch.manual_seed(42)
-    model = TinyLM()
+    model = model_cls()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     losses = []
     for ids, labels in data:
@@ -80,12 +111,12 @@ def reference_run(data, lr=3e-3, clip=0.0):
     return model, losses
 
 
-def engine_run(data, gas=1, clip=0.0, build_under_init=False, prepare=None, **extra):
+def engine_run(data, gas=1, clip=0.0, build_under_init=False, prepare=None, model_cls=TinyLM, **extra):
     """Train on `data` (one step per global batch); `prepare(engine)` runs before the first step."""
     torch.manual_seed(42)
     cfg = config(gas=gas, clip=clip, **extra)
     init = deepspeed.zero.Init(config_dict_or_path=cfg, enabled=build_under_init).start()
-    model = TinyLM()
+    model = model_cls()
     init.stop()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=cfg)
     if prepare is not None:
@@ -145,11 +176,50 @@ class TestEngineParity(DistributedTest):
         assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
         assert all(p._zero_state.holders == 0 for p in engine.module.parameters())
 
+    def test_gradient_of_a_weight_its_module_never_held(self):
+        """A custom autograd function gathers the head's weight itself in forward and backward
+        (TRL's fused LM head): its gradient lands after that gather ended, and must train
+        exactly as the plain run, with nothing left gathered."""
+        data = batches(4, seed=3)
+        reference, ref_losses = reference_run(data, model_cls=FusedHeadLM)
+        engine, losses = engine_run(data, model_cls=FusedHeadLM, build_under_init=True)
+        assert_parity(engine, losses, reference, ref_losses)
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+        assert not engine.optimizer.parameter_offload.gradient_holds
+        # the bias, used directly in the root's forward, was registered with the root
+        external = [p for _, p in engine.module.ds_external_parameters()]
+        assert len(external) == 1 and external[0] is engine.module.head.bias
+
+    @run_on(2)
+    def test_a_second_engine_on_the_same_module_takes_the_hooks_over(self):
+        """TRL's DPO with precompute_ref_log_probs: an inference engine scores with the model,
+        then the training engine wraps the same model. One set of hooks stays (the newest
+        engine's), training matches the plain run, and the first engine still answers."""
+        data = batches(3, seed=8)
+        reference, ref_losses = reference_run(data)
+        torch.manual_seed(42)
+        model = TinyLM()
+        cfg = config()
+        scorer, *_ = deepspeed.initialize(
+            model=model, config={k: v for k, v in cfg.items() if k != "optimizer"}
+        )
+        ids, labels = my_slice(data[0][0]), my_slice(data[0][1])
+        with torch.no_grad():
+            scorer(ids, labels)
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        assert all(len(m._forward_pre_hooks) == 1 for m in model.modules()), "one set of hooks"
+        losses = train(engine, data)
+        assert_parity(engine, losses, reference, ref_losses)
+        with torch.no_grad():
+            assert torch.equal(scorer(ids, labels), engine(ids, labels))
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
+
     @run_on(2)
     def test_hooks_removed_and_registered_again_as_trl_generates(self):
         """TRL's `unwrap_model_for_generation` at ZeRO-3: with every parameter gathered, it removes
         the engine's module hooks through `optimizer.parameter_offload`, runs the bare module, and
-        registers them again; training before and after must match the plain run."""
+        registers them again; training before and after must match the plain run, and equal,
+        bit for bit, the same engine run without that step."""
         data = batches(4, seed=5)
         reference, ref_losses = reference_run(data)
         engine, losses = engine_run(data[:2])
@@ -157,7 +227,11 @@ class TestEngineParity(DistributedTest):
         assert offload.module is engine.module and offload.forward_hooks
         ids, labels = data[0]
         with deepspeed.zero.GatheredParameters(engine.module.parameters()):
-            for param in offload.module.parameters(recurse=True):
+            # TRL's iter_params: every module answers ds_external_parameters() with (name, param)
+            named = itertools.chain(
+                offload.module.named_parameters(recurse=True), offload.module.ds_external_parameters()
+            )
+            for _, param in named:
                 param.ds_active_sub_modules.clear()
             for handle in offload.forward_hooks + offload.backward_hooks:
                 handle.remove()
@@ -172,6 +246,8 @@ class TestEngineParity(DistributedTest):
             hooked = engine.module(my_slice(ids), my_slice(labels))  # the hooks gather again
         assert torch.equal(bare, hooked)
         losses += train(engine, data[2:])
+        _, uninterrupted = engine_run(data)  # the same engine run without the generation step
+        assert losses == uninterrupted, "lifting and restoring the hooks changed training"
         assert_parity(engine, losses, reference, ref_losses)
         assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
 

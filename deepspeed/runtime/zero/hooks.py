@@ -59,11 +59,33 @@ next pass. A parameter used outside its module inside a leaf is registered with 
 The coordinator also counts each leaf's forward uses in a pass and tells the engine when the
 backward of the last one is over (`on_leaf_backward_done`), when the leaf's gradients are
 reduced as one unit (leaf_grads.py).
+
+[Note: one engine hooks a module]
+A module can be handed to `deepspeed.initialize` twice while the first engine lives: TRL's
+DPO with `precompute_ref_log_probs` wraps the policy in an inference engine to score the data,
+then the Trainer wraps the same model in the training engine. Two sets of hooks on one module
+would each take holds and push access hooks, and unwind out of order. So the newest engine's
+coordinator takes the hooks over: it removes those of any coordinator whose module lies
+inside its own, and the older engine keeps working through them (its forward calls the same
+module, whose hooks now belong to the new coordinator).
+
+[Note: a gradient needs its parameter whole]
+Autograd accumulates a leaf's gradient into `param.grad` shaped like the parameter: while the
+parameter is partitioned (`param.data` of shape [0]) that copy fails ("The size of tensor a
+(0) must match the size of tensor b ..."). The bracket above keeps a submodule's parameters
+gathered through its own backward, but a gradient can also reach a parameter that no
+submodule holds: a custom autograd function that gathered the weight itself in forward and
+in its backward (TRL's fused LM head reads `lm_head.weight` and never calls `lm_head`), or a
+parameter used outside any hooked module. So a gradient hook on every partitioned parameter
+gathers one that is not available when its gradient arrives (`gather_for_gradient`), and the
+engine's post-accumulate hook releases it once the gradient is taken (`release_after_gradient`).
+Every rank runs the same graph, so every rank issues these gathers in the same order.
 """
 
 from __future__ import annotations
 
 import bisect
+import types
 from typing import Any, Optional
 
 import torch
@@ -71,8 +93,12 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from deepspeed.runtime.zero import gather
-from deepspeed.runtime.zero.param_state import ACCESS_HOOK, is_zero_param, zero_params_in
-from deepspeed.runtime.zero.partition_parameters import external_parameters, register_external_parameter
+from deepspeed.runtime.zero.param_state import ACCESS_HOOK, ZeroParamStatus, is_zero_param, zero_params_in
+from deepspeed.runtime.zero.partition_parameters import (
+    external_parameters,
+    named_external_parameters,
+    register_external_parameter,
+)
 from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
 
@@ -144,7 +170,7 @@ class _Hold:
 
     def __init__(self, module: nn.Module, phase: str, states: list) -> None:
         self.module = module
-        self.phase = phase  # "forward", "backward" or "recompute"
+        self.phase = phase  # "forward", "backward", "recompute" or "gradient"
         self.states = states  # ZeroParamStates this owner holds, one hold each
 
     def __repr__(self) -> str:
@@ -296,6 +322,9 @@ class ParameterCoordinator:
         # in the pass is over (leaf_grads.py); id(leaf) -> forward uses whose backward is pending.
         self.on_leaf_backward_done: Optional[Any] = None
         self.leaf_uses: dict = {}
+        # id(ZeroParamState) -> the _Hold that keeps it whole while autograd accumulates a
+        # gradient no submodule's backward was holding it for (see the note)
+        self.gradient_holds: dict = {}
         # id(module) -> what its forward and backward hold, computed once per pass: backward
         # (and a checkpointed recomputation) reuses the forward's list. Cleared when a pass
         # starts, and per module when a parameter used outside it is registered with it.
@@ -311,14 +340,26 @@ class ParameterCoordinator:
         # handle of its own here: its gradient hooks are set on tensors during each forward.
         self.forward_hooks: list = []
         self.backward_hooks: list = []
+        self._take_over_hooks(module)
         self._register_deepspeed_module(module)
 
     def __repr__(self) -> str:
         return f"ParameterCoordinator({type(self.module).__name__})"
 
-    def _register_deepspeed_module(self, module: nn.Module) -> None:
-        """Install the forward hooks on every submodule of `module` (see the note above)."""
+    def _take_over_hooks(self, module: nn.Module) -> None:
+        """Remove the hooks of earlier coordinators of `module` or its parts (see the note)."""
+        inside = {id(sub) for sub in module.modules()}
         for sub in module.modules():
+            previous = sub.__dict__.get("_ds_coordinator")
+            if previous is not None and previous is not self and id(previous.module) in inside:
+                previous.remove_hooks()
+            sub.__dict__["_ds_coordinator"] = self
+
+    def _register_deepspeed_module(self, module: nn.Module) -> None:
+        """Install the forward hooks on every submodule of `module` (see the note above), and
+        give each its upstream `ds_external_parameters()` method, which TRL walks."""
+        for sub in module.modules():
+            sub.__dict__["ds_external_parameters"] = types.MethodType(named_external_parameters, sub)
             self.forward_hooks.append(sub.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self.forward_hooks.append(
                 sub.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
@@ -510,6 +551,22 @@ class ParameterCoordinator:
                 if self.on_leaf_backward_done is not None:
                     self.on_leaf_backward_done(module)
 
+    def gather_for_gradient(self, param: nn.Parameter, grad: Optional[torch.Tensor] = None) -> None:
+        """A gradient for `param` is about to be accumulated: gather it if nothing holds it.
+        A tensor hook on `param` (it passes `grad`, which goes on unchanged)."""
+        state = param._zero_state
+        if state.status is ZeroParamStatus.AVAILABLE or id(state) in self.gradient_holds:
+            return  # whole already (a submodule's backward, a persistent or user-gathered one)
+        hold = _Hold(self.module, "gradient", [state])
+        gather.fetch_states(hold.states, hold)
+        self.gradient_holds[id(state)] = hold
+
+    def release_after_gradient(self, param: nn.Parameter) -> None:
+        """`param.grad` was taken: drop the hold `gather_for_gradient` took, if it took one."""
+        hold = self.gradient_holds.pop(id(param._zero_state), None)
+        if hold is not None:
+            gather.release_states(hold.states, hold)
+
     def finish_backward(self) -> None:
         """Release what the backward pass left held (see both notes) and close the pass."""
         self.end_pass()
@@ -533,6 +590,9 @@ class ParameterCoordinator:
             for hold in holds:
                 self._release(hold)
         self.recompute_holds.clear()
+        for hold in self.gradient_holds.values():  # a gradient whose accumulation failed
+            gather.release_states(hold.states, hold)
+        self.gradient_holds.clear()
         self.leaf_uses.clear()
         if self.forward_holds:
             self.forward_holds.clear()
@@ -547,6 +607,7 @@ class ParameterCoordinator:
         """Forward and backward holds that are live now (none between passes)."""
         backward = [hold for holds in self.backward_holds.values() for hold in holds]
         backward += [hold for holds in self.recompute_holds.values() for hold in holds]
+        backward += list(self.gradient_holds.values())
         return [hold for hold in self.forward_holds + backward if hold.states]
 
 

@@ -749,3 +749,9 @@ def unregister_external_parameter(module: nn.Module, parameter: torch.Tensor) ->
 
 def external_parameters(module: nn.Module) -> list:
     return list(module.__dict__.get("_external_params", {}).values())
+
+
+def named_external_parameters(module: nn.Module) -> list:
+    """`module.ds_external_parameters()`, upstream's name: (key, parameter) pairs, the way
+    `named_parameters` yields them, so callers (TRL) can chain the two."""
+    return [(str(key), param) for key, param in module.__dict__.get("_external_params", {}).items()]
