@@ -19,7 +19,10 @@ raises. Two exceptions exist upstream and are kept through ``strict=False``: HF 
 `zero.Init` *before* it fills the model-dependent entries (``reduce_bucket_size``,
 ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``, scheduler steps),
 and upstream's typed sections drop "auto" in favour of the default. `zero.Init`, which does
-not train, builds its config with ``strict=False``.
+not train, builds its config with ``strict=False``. In `zero_optimization` "auto" takes the
+default in every mode (with a warning when strict): those knobs tune speed and memory only,
+and TRL builds a reference-model engine before HF fills them (config_utils' note on "auto"
+in zero_optimization).
 """
 
 import json
@@ -34,12 +37,18 @@ from deepspeed.runtime.config_utils import (
     DeepSpeedConfigModel,
     Unsupported,
     apply_dotted_keys,
+    default_auto_values,
     parse_section,
     reject_auto_values,
     section_is_off,
     strip_auto_values,
 )
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum, legacy_zero_value
+from deepspeed.runtime.zero.config import (
+    ZERO_OPTIMIZATION,
+    DeepSpeedZeroConfig,
+    ZeroStageEnum,
+    legacy_zero_value,
+)
 from deepspeed.utils.logging import logger as ds_logger
 
 __all__ = [
@@ -658,6 +667,9 @@ class DeepSpeedConfig:
         # Dotted keys first: one may fill a nested "auto" that would otherwise be refused.
         data = apply_dotted_keys(DeepSpeedRootConfig, self._param_dict)
         if strict:
+            if isinstance(data.get(ZERO_OPTIMIZATION), dict):  # config_utils' note on "auto" there
+                zero = default_auto_values(data[ZERO_OPTIMIZATION], prefix=ZERO_OPTIMIZATION)
+                data = {**data, ZERO_OPTIMIZATION: zero}
             reject_auto_values(data)
         else:
             data = strip_auto_values(data)

@@ -84,6 +84,7 @@ __all__ = [
     "parse_section",
     "reject_auto_values",
     "reject_unsupported",
+    "default_auto_values",
     "section_is_off",
     "strip_auto_values",
     "validation_error_to_value_error",
@@ -589,6 +590,21 @@ def reject_auto_values(data: Any, prefix: str = "") -> None:
         "that HF transformers (Trainer / HfDeepSpeedConfig) and accelerate normally resolve before "
         "DeepSpeed sees the config; replace it with a concrete value, or let the integration fill it in"
     )
+
+
+def default_auto_values(data: Any, prefix: str) -> Any:
+    """`strip_auto_values` for a section whose "auto" values only tune speed and memory.
+
+    [Note: "auto" in zero_optimization] HF fills the model-size knobs of this section
+    (``reduce_bucket_size``, ``stage3_prefetch_bucket_size``, ...) only when the Trainer
+    prepares the model it trains; an engine built earlier from the same config (TRL's
+    reference model at stages 0-2) still carries "auto" there. Upstream takes its defaults
+    for them, and none of them changes what is computed, so we do the same, warning once
+    per key. "auto" anywhere else (learning rate, batch sizes, clipping) is still refused.
+    """
+    for key in find_auto_values(data, prefix):
+        warn_once(f'DeepSpeed config: {key} is "auto" and nothing filled it; its default applies')
+    return strip_auto_values(data)
 
 
 def strip_auto_values(data: Any) -> Any:

@@ -104,21 +104,14 @@ def prompt_dataset(n: int = 16, seed: int = 0):
     return Dataset.from_list([{"prompt": _sentence(gen, 4)} for _ in range(n)])
 
 
-def ds_config(stage: int, offload: bool = False, model_sizes_auto: bool = True) -> dict:
+def ds_config(stage: int, offload: bool = False) -> dict:
     """HF's documented config, every fillable value "auto"; optionally the optimizer on the CPU.
 
-    `model_sizes_auto=False` writes the three values HF derives from the model's hidden size
-    (16: 256, 230, 160) instead: TRL hands the reference model's config to
-    `deepspeed.initialize` before HF fills them, and our config refuses an "auto" left there
-    (upstream's drops it and uses its default)."""
-    hidden = helpers.tiny_llama_config().hidden_size
-    sizes = {
-        "reduce_bucket_size": hidden * hidden,
-        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-        "stage3_param_persistence_threshold": 10 * hidden,
-    }
-    if model_sizes_auto:
-        sizes = dict.fromkeys(sizes, "auto")
+    TRL hands the reference model's copy to `deepspeed.initialize` before HF fills the
+    model-size values: at ZeRO-3 its dotted keys fill them, below 3 their defaults apply."""
+    sizes = dict.fromkeys(
+        ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"), "auto"
+    )
     zero: dict = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}
     zero["reduce_bucket_size"] = sizes["reduce_bucket_size"]
     if stage == 3:
@@ -156,7 +149,7 @@ def configure_state(stage) -> None:
         PartialState(cpu=True, backend="gloo")
 
 
-def common_args(output_dir, stage, offload: bool, **config_options) -> dict:
+def common_args(output_dir, stage, offload: bool) -> dict:
     """TrainingArguments shared by every workflow; `stage` None: plain DDP (no DeepSpeed)."""
     return dict(
         output_dir=str(output_dir),
@@ -171,7 +164,7 @@ def common_args(output_dir, stage, offload: bool, **config_options) -> dict:
         data_seed=0,
         bf16=False,
         disable_tqdm=True,
-        deepspeed=None if stage is None else ds_config(stage, offload, **config_options),
+        deepspeed=None if stage is None else ds_config(stage, offload),
         use_cpu=stage is None,
         accelerator_config={"use_configured_state": True},
     )
@@ -214,7 +207,7 @@ def run_dpo(output_dir, stage: int, offload: bool = False, precompute: bool = Fa
     from trl import DPOConfig, DPOTrainer
 
     configure_state(stage)
-    common = common_args(output_dir, stage, offload, model_sizes_auto=False)  # see ds_config
+    common = common_args(output_dir, stage, offload)
     args = DPOConfig(**common, max_length=16, precompute_ref_log_probs=precompute)
     ref_model = None if precompute else causal_lm()
     trainer = DPOTrainer(

@@ -541,12 +541,20 @@ def test_dotted_key_naming_nothing_is_an_unknown_key(config_warnings):
     assert _lines_naming(config_warnings, "unknown key 'optimizer.params.lr' at the top level")
 
 
-def test_dotted_key_fills_a_nested_auto_before_auto_is_refused():
+def test_dotted_key_fills_a_nested_auto_before_its_default_would(config_warnings):
     cfg = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
-    with pytest.raises(ValueError, match=r"zero_optimization\.reduce_bucket_size still set to \"auto\""):
-        DeepSpeedConfig(cfg)
     cfg["zero_optimization.reduce_bucket_size"] = 1000
     assert DeepSpeedConfig(cfg).zero_config.reduce_bucket_size == 1000
+    assert not _lines_naming(config_warnings, "nothing filled it")
+
+
+def test_auto_in_zero_optimization_takes_the_default_with_a_warning(config_warnings):
+    # TRL builds its reference model (at stages 0-2) from the accelerate config before HF
+    # fills the model-size knobs; upstream takes its defaults for them, and so do we.
+    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+    assert DeepSpeedConfig(cfg).zero_config.reduce_bucket_size == 500_000_000
+    (line,) = _lines_naming(config_warnings, "zero_optimization.reduce_bucket_size")
+    assert 'is "auto" and nothing filled it; its default applies' in line
 
 
 def test_bad_stage_names_key_value_and_allowed():
@@ -593,11 +601,12 @@ def test_several_problems_reported_together():
 def test_auto_rejected_with_hint():
     cfg = copy.deepcopy(HF_ZERO3)
     cfg["train_batch_size"] = "auto"
-    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto"
+    cfg["gradient_clipping"] = "auto"
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto"  # defaults: see the test above
     with pytest.raises(ValueError, match=r'still set to "auto".*HF transformers.*accelerate') as info:
         DeepSpeedConfig(cfg, world_size=4)
-    assert "train_batch_size" in str(info.value)
-    assert "zero_optimization.stage3_prefetch_bucket_size" in str(info.value)
+    assert "train_batch_size" in str(info.value) and "gradient_clipping" in str(info.value)
+    assert "zero_optimization" not in str(info.value)
 
 
 def test_auto_allowed_when_not_strict():
@@ -612,12 +621,10 @@ def test_auto_allowed_when_not_strict():
     assert parsed._param_dict["zero_optimization"]["reduce_bucket_size"] == "auto"
 
 
-def test_get_zero_config_auto():
+def test_get_zero_config_auto(config_warnings):
     section = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"}}
-    with pytest.raises(
-        ValueError, match=r'zero_optimization\.stage3_param_persistence_threshold still set to "auto"'
-    ):
-        get_zero_config(section)
+    assert get_zero_config(section).param_persistence_threshold == 100_000
+    assert _lines_naming(config_warnings, "zero_optimization.stage3_param_persistence_threshold")
     assert get_zero_config(section, strict=False).param_persistence_threshold == 100_000
 
 

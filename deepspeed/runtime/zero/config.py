@@ -16,10 +16,10 @@ from deepspeed.runtime.config_utils import (
     DeepSpeedConfigModel,
     DeprecatedKey,
     Unsupported,
+    default_auto_values,
     logger,
     merge_dotted_key,
     parse_section,
-    reject_auto_values,
     strip_auto_values,
 )
 from deepspeed.runtime.zero.offload_config import (
@@ -357,15 +357,15 @@ def get_zero_config(param_dict: Optional[dict[str, Any]], strict: bool = True) -
     """The typed `zero_optimization` section of a whole DeepSpeed config dict (stage 0 if absent).
 
     Raises `ValueError` naming ``zero_optimization.<key>`` for anything invalid. "auto"
-    values raise too, unless ``strict=False``, which drops them so that defaults apply (for
-    `zero.Init`, which HF enters before it fills them; see `deepspeed.runtime.config`).
+    values take their defaults, with a warning unless ``strict=False`` (`zero.Init`, which HF
+    enters before it fills them): config_utils' note on "auto" in zero_optimization.
     """
     section = legacy_zero_value((param_dict or {}).get(ZERO_OPTIMIZATION, {}))
     for key, value in (param_dict or {}).items():  # TRL's "zero_optimization.<key>" (config_utils' note)
         if isinstance(section, dict) and isinstance(key, str) and key.startswith(ZERO_OPTIMIZATION + "."):
             section = merge_dotted_key(DeepSpeedZeroConfig, section, key.split(".", 1)[1], value, key)
     if strict:
-        reject_auto_values(section, prefix=ZERO_OPTIMIZATION)
+        section = default_auto_values(section, prefix=ZERO_OPTIMIZATION)
     else:
         section = strip_auto_values(section)
     return parse_section(DeepSpeedZeroConfig, section, prefix=ZERO_OPTIMIZATION)
