@@ -31,6 +31,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator  # noqa: F401 - an upstream name clients read here
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
 from deepspeed.runtime.zero import gather
+from deepspeed.runtime.zero.gather import MultipleAllGatherHandles  # noqa: F401 - upstream name
 from deepspeed.runtime.zero.lifecycle import LifecycleTracker, live_contexts
 from deepspeed.runtime.zero.param_state import (
     IN_PLACE_INIT,
@@ -55,6 +56,7 @@ from deepspeed.runtime.zero.patching import (  # noqa: F401 - upstream names, re
 
 __all__ = [
     "GatheredParameters",
+    "MultipleAllGatherHandles",
     "partitioned_param_data_shape",
     "Init",
     "ZeroParamStatus",
