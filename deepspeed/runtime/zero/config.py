@@ -265,6 +265,16 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             data[key] = {"pin_memory": bool(pin), **data[key]}  # an explicit pin_memory wins
         return data
 
+    @field_validator("elastic_checkpoint", mode="after")
+    @classmethod
+    def _elastic_checkpoint_is_deprecated(cls, value: bool) -> bool:
+        if value:  # as upstream, which deprecated it: say so rather than accept it silently
+            logger.warning(
+                "Elastic checkpointing is deprecated and has no effect here: checkpoints always load "
+                "on any number of ranks; remove zero_optimization.elastic_checkpoint"
+            )
+        return value
+
     @field_validator("leaf_module", mode="before")
     @classmethod
     def _null_leaf_module_is_the_default(cls, value: Any) -> Any:
