@@ -181,7 +181,7 @@ class TestOptimizerShardViews(DistributedTest):
         want = torch.cat([_padded_slice(p, rank, world) for p in reference.parameters()])
         assert len(flat) == 1 and torch.equal(flat[0], want)
         assert engine.optimizer.get_fp32_grad_partitions() == {}  # nothing reduced yet
-        for accumulated in (1, 2):  # a second backward without a step adds to the shards
+        for _ in range(2):  # a second backward without a step adds to the shards
             engine.backward(engine(x).sum())
             reference(x).sum().backward()
             parts = engine.optimizer.get_fp32_grad_partitions()
@@ -202,8 +202,8 @@ class TestSkipInitUnderInit(DistributedTest):
     def test_meta_built_module_is_partitioned_when_materialised(self):
         from torch.nn.utils import skip_init
 
-        from deepspeed.runtime.zero.patching import originals_in_place
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        from deepspeed.runtime.zero.patching import originals_in_place
 
         with deepspeed.zero.Init(
             config_dict_or_path={"train_batch_size": 2, "zero_optimization": {"stage": 3}}
