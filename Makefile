@@ -42,6 +42,7 @@ upstream-tests: setup
 	@test -n "$(UPSTREAM_GIT)" || { echo "usage: make upstream-tests UPSTREAM_GIT=/path/to/DeepSpeed/repo (a bare git snapshot)"; exit 2; }
 	@test -d "$(UPSTREAM_GIT)" || { echo "UPSTREAM_GIT=$(UPSTREAM_GIT) is not a directory"; exit 2; }
 	@test -f "$(UPSTREAM_RUNNER)" || { echo "runner $(UPSTREAM_RUNNER) not found; set UPSTREAM_RUNNER=path/to/run.sh"; exit 2; }
+	mkdir -p "$(UPSTREAM_TESTS_OUT)"
 	PYTHONPATH=$(CURDIR) bash $(UPSTREAM_RUNNER) "$(abspath $(UPSTREAM_GIT))" "$(abspath $(VENV))" "$(abspath $(UPSTREAM_TESTS_OUT))"
 
 clean:
