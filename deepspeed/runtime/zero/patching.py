@@ -1,6 +1,6 @@
 """All of ZeRO-3's monkey-patching, in one place, and every patch undoes itself.
 
-While a `zero.Init` is active, three kinds of patch are in force:
+While a `zero.Init` is active, four kinds of patch are in force:
 - every `nn.Module` subclass's own `__init__` is wrapped, so that when the most-derived
   `__init__` of a module returns, a hook converts that module's own parameters;
   `nn.Module.__init_subclass__` wraps classes defined while the patch is in force;
@@ -12,8 +12,8 @@ While a `zero.Init` is active, three kinds of patch are in force:
 - tensor factories (`torch.empty`, `zeros`, ...) are replaced by wrapped originals that
   default the device and cast floating results to the Init dtype.
 
-`ModulePatches.install()` / `remove()` own the first two, `bind_factories()` /
-`unbind_factories()` the third; `remove_all()` undoes everything and is what `Init` calls on
+`ModulePatches.install()` / `remove()` own the first three, `bind_factories()` /
+`unbind_factories()` the fourth; `remove_all()` undoes everything and is what `Init` calls on
 every exit path. The originals are module constants (`_orig_torch_empty`, ...), which
 `partition_parameters` re-exports under the names HF transformers reads.
 """
