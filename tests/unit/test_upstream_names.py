@@ -246,3 +246,13 @@ class TestRecoveryScriptPermissions(DistributedTest):
         with mock.patch.object(logger, "info", lambda msg, *a, **k: logged.append(str(msg))):
             engine._change_recovery_script_permissions(str(tmp_path / "missing.py"))  # stat fails: logged
         assert len(logged) == 1 and "could not make" in logged[0] and "missing.py" in logged[0]
+
+
+def test_fused_adam_builder_needs_nothing_built():
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.ops.op_builder import ALL_OPS, FusedAdamBuilder
+
+    builder = ALL_OPS["fused_adam"]
+    assert isinstance(builder, FusedAdamBuilder) and builder.is_compatible() and builder.is_built()
+    assert deepspeed.ops.__compatible_ops__[FusedAdamBuilder.NAME] is True
+    assert builder.load().FusedAdam is FusedAdam  # the pure-torch multi-tensor Adam

@@ -6,7 +6,10 @@ Importing this package compiles nothing; `ALL_OPS[name].load()` builds on first 
 from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
 from deepspeed.ops.op_builder.builder import OpBuilder
 from deepspeed.ops.op_builder.cpu_adam import CPUAdamBuilder
+from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
-__all__ = ["ALL_OPS", "AsyncIOBuilder", "CPUAdamBuilder", "OpBuilder"]
+__all__ = ["ALL_OPS", "AsyncIOBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "OpBuilder"]
 
-ALL_OPS: dict[str, OpBuilder] = {builder.NAME: builder for builder in (AsyncIOBuilder(), CPUAdamBuilder())}
+ALL_OPS: dict[str, OpBuilder] = {
+    builder.NAME: builder for builder in (AsyncIOBuilder(), CPUAdamBuilder(), FusedAdamBuilder())
+}
