@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench upstream-tests clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,19 @@ bench: setup
 	$(PY) -m pip install -q -r requirements/requirements-bench.txt
 	bash benchmarks/setup_upstream.sh
 	$(PY) benchmarks/run_all.py
+
+# Upstream DeepSpeed's own ZeRO unit tests, unchanged, against this package (docs/upstream_tests.md).
+# UPSTREAM_GIT: a bare snapshot of deepspeedai/DeepSpeed (e.g. the search tool's fetch);
+# the tests are extracted into a temporary folder, never into this tree.
+UPSTREAM_GIT ?=
+UPSTREAM_TESTS_OUT ?= upstream-tests-out
+UPSTREAM_RUNNER ?= ../shared/upstream-tests/run.sh
+upstream-tests: setup
+	@test -n "$(UPSTREAM_GIT)" || { echo "usage: make upstream-tests UPSTREAM_GIT=/path/to/DeepSpeed/repo (a bare git snapshot)"; exit 2; }
+	@test -d "$(UPSTREAM_GIT)" || { echo "UPSTREAM_GIT=$(UPSTREAM_GIT) is not a directory"; exit 2; }
+	@test -f "$(UPSTREAM_RUNNER)" || { echo "runner $(UPSTREAM_RUNNER) not found; set UPSTREAM_RUNNER=path/to/run.sh"; exit 2; }
+	mkdir -p "$(UPSTREAM_TESTS_OUT)"
+	PYTHONPATH=$(CURDIR) bash $(UPSTREAM_RUNNER) "$(abspath $(UPSTREAM_GIT))" "$(abspath $(VENV))" "$(abspath $(UPSTREAM_TESTS_OUT))"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

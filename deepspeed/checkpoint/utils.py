@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import torch
@@ -29,3 +30,12 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device(
             return type(item)(*values)  # a namedtuple
         return type(item)(values)
     return item
+
+
+def get_model_ckpt_name_for_rank(base_folder: str, mp_rank_str: str) -> str:
+    """The path of the model-states file of model-parallel rank `mp_rank_str` ("00") in a tag
+    folder: `<base_folder>/mp_rank_<mp_rank_str>_model_states.pt`, upstream's name for the file
+    a stage 0-2 save writes (one for the whole module)."""
+    if not isinstance(mp_rank_str, str) or not mp_rank_str.isdigit():
+        raise ValueError(f"mp_rank_str must be a string of digits such as '00', got {mp_rank_str!r}")
+    return os.path.join(base_folder, f"mp_rank_{mp_rank_str}_model_states.pt")

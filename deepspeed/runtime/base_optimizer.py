@@ -21,6 +21,23 @@ class DeepSpeedOptimizer:
     """Marker base of every optimizer wrapper an engine builds (not a `torch.optim.Optimizer`)."""
 
 
+class UnbuiltMixedPrecisionWrapper(DeepSpeedOptimizer):
+    """Base of upstream's stage-0 mixed-precision wrappers (`FP16_Optimizer`,
+    `FP16_UnfusedOptimizer`, `BF16_Optimizer`), kept as names for imports and `isinstance`.
+
+    Here the engine wraps the optimizer in the ZeRO optimizer at every stage, stage 0
+    included, with fp16 loss scaling and bf16 master weights built in, so `engine.optimizer`
+    is never one of these; constructing one directly says so instead of half-working.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} is not built in this package: deepspeed.initialize wraps the "
+            "optimizer in the ZeRO optimizer at every stage, with fp16/bf16 taken from the config "
+            '("fp16": {"enabled": true} or "bf16": {"enabled": true}); pass the config instead'
+        )
+
+
 class ZeROOptimizer(DeepSpeedOptimizer):
     """Base of the ZeRO optimizers (every stage); live instances are findable (see the note).
 

@@ -16,6 +16,7 @@ leaves the engine as it was.
 from __future__ import annotations
 
 import os
+import stat
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -234,9 +235,20 @@ class CheckpointMixin:
         removed = ckpt_io.remove_stale_rank_files(ckpt_dir, _world_size())
         if removed:
             logger.info(f"removed {len(removed)} rank files of an older save from {ckpt_dir}")
-        ckpt_io.write_recovery_script(save_dir)
+        self._change_recovery_script_permissions(ckpt_io.write_recovery_script(save_dir))
         if save_latest:
             ckpt_io.write_latest(save_dir, tag)
+
+    def _change_recovery_script_permissions(self, dst: str) -> None:
+        """Make the saved `zero_to_fp32.py` executable (upstream's method name). A file system
+        that refuses (a shared mount, a file owned by another user) only costs the convenience
+        of running it as `./zero_to_fp32.py`: logged, not raised."""
+        try:
+            os.chmod(dst, os.stat(dst).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        except OSError as err:
+            logger.info(
+                f"could not make {dst} executable ({err}); run it with `python {os.path.basename(dst)}`"
+            )
 
     def _checkpoint_entries(self, exclude_frozen: bool) -> list:
         """`(name, ZeroParamState, ParamMeta)` per saved parameter, in named_parameters order."""

@@ -616,6 +616,11 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
             raise ValueError(f"amp.enabled and {precision}.enabled are both true; enable at most one of them")
         return self
 
+    @model_validator(mode="after")
+    def _check_zero_offload(self) -> "DeepSpeedRootConfig":
+        self.zero_optimization.check_offload_stage()  # needs the stage this whole config runs
+        return self
+
 
 # ----------------------------------------------------------------------------------------
 # The config object engines read

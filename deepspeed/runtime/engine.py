@@ -47,7 +47,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
 )
 from deepspeed.utils import groups
 from deepspeed.utils.logging import logger
-from deepspeed.utils.timer import EngineTimers, SynchronizedWallClockTimer
+from deepspeed.utils.timer import EngineTimers, SynchronizedWallClockTimer, ThroughputTimer
 from deepspeed.utils.z3_leaf_module import apply_leaf_module_config, set_z3_leaf_modules_by_granularity
 
 
@@ -110,6 +110,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self.timers = SynchronizedWallClockTimer()
         self.engine_timers = EngineTimers(enabled=self._config.wall_clock_breakdown)
         self.engine_timers_cache: dict = {}  # get_wall_clock_timers(): the last step's readings
+        self.tput_timer = ThroughputTimer(
+            batch_size=self._config.train_micro_batch_size_per_gpu * self._config.gradient_accumulation_steps
+        )  # samples/s per rank, reported with steps_per_print
         self._is_compiled = False  # see compile()
         zero = self._config.zero_config
         # Stages 0-2 keep full parameters (stage_1_and_2.py's note); stage 3 partitions them.
@@ -635,8 +638,9 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
         self._offloader.refuse_while_offloaded("step()")
         self._memory_report("Engine before step")
         self._start_timers("step")
+        boundary = self.is_gradient_accumulation_boundary()
         try:
-            if self.is_gradient_accumulation_boundary():
+            if boundary:
                 # Stages 0-1: what no backward reduced yet (the switch off, a boundary that backward
                 # did not see); nothing at stages 2-3 or when backward did it.
                 self.allreduce_gradients()
@@ -649,6 +653,7 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
                 report_progress(self)  # steps_per_print
         finally:
             self._stop_timers("step")
+        self.tput_timer.stop(global_step=boundary)
         self._log_timers()
         self.micro_steps += 1
         self._memory_report("Engine after step")

@@ -40,11 +40,17 @@ def report_progress(engine: Any) -> None:
     step = engine.global_steps
     if step == 0 or math.isinf(every) or step % int(every) != 0:
         return
-    log_dist(f"step={step}, skipped={engine.skipped_steps}, lr={engine.get_lr()}", ranks=[0])
+    speed = engine.tput_timer.avg_samples_per_sec()  # 0.0 until the timer's start_step
+    log_dist(
+        f"step={step}, skipped={engine.skipped_steps}, lr={engine.get_lr()}, RunningAvgSamplesPerSec={speed:.3f}",
+        ranks=[0],
+    )
 
 
 def forward_prologue(engine: Any, args: tuple, kwargs: dict) -> tuple:
-    """`(args, kwargs)` for the model call, cast as `fp16.auto_cast` asks."""
+    """`(args, kwargs)` for the model call, cast as `fp16.auto_cast` asks; starts the
+    throughput timer's micro step (`engine.step()` stops it)."""
+    engine.tput_timer.start()
     if engine._config.fp16_auto_cast:
         args = cast_floating_inputs(args, torch.float16)
         kwargs = cast_floating_inputs(kwargs, torch.float16)

@@ -174,3 +174,64 @@ class EngineTimers:
 
     def active_timers(self) -> list:
         return self.micro_timers + self.global_timers
+
+
+class ThroughputTimer:
+    """Samples per second over training, as upstream's `engine.tput_timer`.
+
+    The engine calls `start()` at each forward and `stop(global_step=...)` at each
+    `engine.step()`, `global_step` true at an accumulation boundary. Time is counted only from
+    global step `start_step` on (2 by default), so the first steps' one-off costs (allocation,
+    kernel builds, first gathers) stay out of the average. A `stop()` without a `start()`
+    does nothing; the step's time is `step_elapsed_time`, the total `total_elapsed_time`
+    (seconds), and `avg_samples_per_sec()` their throughput in samples of `batch_size` a step.
+    Unlike the named timers it does not wait for the accelerator: it runs at every forward
+    and step whether or not anyone reads it, and over many steps the queue's lag cancels out.
+    """
+
+    def __init__(self, batch_size: int, start_step: int = 2) -> None:
+        if batch_size < 1 or start_step < 0:
+            raise ValueError(
+                f"ThroughputTimer needs batch_size >= 1 and start_step >= 0, got {batch_size} and {start_step}"
+            )
+        self.batch_size = batch_size
+        self.start_step = start_step
+        self.initialized = False  # a start() was seen
+        self.started = False  # between a start() and its stop()
+        self.start_time = 0.0  # 0 until timing begins at start_step
+        self.end_time = 0.0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.step_elapsed_time = 0.0  # the current accumulation's time so far
+        self.total_elapsed_time = 0.0  # every timed step since start_step
+
+    def _timing(self) -> bool:
+        return self.global_step_count >= self.start_step
+
+    def start(self) -> None:
+        self.initialized = True
+        self.started = True
+        if self._timing():
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool = False) -> None:
+        if not self.started:
+            return  # nothing was started: nothing to count
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time > 0:
+            self.end_time = time.time()
+            duration = self.end_time - self.start_time
+            self.total_elapsed_time += duration
+            self.step_elapsed_time += duration
+            if global_step:
+                self.step_elapsed_time = 0.0  # the next accumulation starts from zero
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second over the global steps timed so far; 0.0 before any."""
+        timed_steps = self.global_step_count - self.start_step
+        if timed_steps <= 0 or self.total_elapsed_time <= 0:
+            return 0.0
+        return timed_steps * self.batch_size / self.total_elapsed_time

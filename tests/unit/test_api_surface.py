@@ -1081,13 +1081,15 @@ class TestApiSurfaceDistributed(DistributedTest):
             kept = nn.Linear(4, 3)
         finally:
             init.stop()
-        assert not hasattr(layer.weight, "ds_id") and layer.weight.device.type == "cpu"  # materialised, whole
+        # skip_init builds on meta, then to_empty: partitioned there, as upstream does.
+        assert hasattr(layer.weight, "ds_id") and hasattr(layer.bias, "ds_id")
         assert hasattr(kept.weight, "ds_id")
-        with torch.no_grad():
-            layer.weight.fill_(0.5)
-            layer.bias.zero_()
+        with deepspeed.zero.GatheredParameters([layer.weight, layer.bias], modifier_rank=0):
+            with torch.no_grad():
+                layer.weight.fill_(0.5)
+                layer.bias.zero_()
         engine, *_ = deepspeed.initialize(model=layer, config=_cfg())
-        assert hasattr(engine.module.weight, "ds_id")  # partitioned by the engine
+        assert engine.module.weight is layer.weight
         with deepspeed.zero.GatheredParameters(engine.module.weight):
             assert torch.all(engine.module.weight == 0.5)
         init = deepspeed.zero.Init(config_dict_or_path=_cfg()).start()

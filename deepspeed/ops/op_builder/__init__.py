@@ -3,9 +3,13 @@
 Importing this package compiles nothing; `ALL_OPS[name].load()` builds on first use.
 """
 
+from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
 from deepspeed.ops.op_builder.builder import OpBuilder
 from deepspeed.ops.op_builder.cpu_adam import CPUAdamBuilder
+from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
-__all__ = ["ALL_OPS", "CPUAdamBuilder", "OpBuilder"]
+__all__ = ["ALL_OPS", "AsyncIOBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "OpBuilder"]
 
-ALL_OPS: dict[str, OpBuilder] = {builder.NAME: builder for builder in (CPUAdamBuilder(),)}
+ALL_OPS: dict[str, OpBuilder] = {
+    builder.NAME: builder for builder in (AsyncIOBuilder(), CPUAdamBuilder(), FusedAdamBuilder())
+}

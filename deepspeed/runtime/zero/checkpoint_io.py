@@ -244,8 +244,11 @@ def write_latest(save_dir: str, tag: str) -> None:
     atomic_write_text(os.path.join(save_dir, LATEST_FILE), str(tag))
 
 
-def write_recovery_script(save_dir: str) -> None:
-    atomic_write_text(os.path.join(save_dir, RECOVERY_SCRIPT), _RECOVERY_SCRIPT_TEXT)
+def write_recovery_script(save_dir: str) -> str:
+    """Write `save_dir/zero_to_fp32.py`; returns its path."""
+    path = os.path.join(save_dir, RECOVERY_SCRIPT)
+    atomic_write_text(path, _RECOVERY_SCRIPT_TEXT)
+    return path
 
 
 def remove_stale_rank_files(ckpt_dir: str, world_size: int) -> list:

@@ -10,7 +10,7 @@ import enum
 import sys
 from typing import Any, ClassVar, Optional
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from deepspeed.runtime.config_utils import (
     DeepSpeedConfigModel,
@@ -22,6 +22,7 @@ from deepspeed.runtime.config_utils import (
     parse_section,
     strip_auto_values,
 )
+from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
 from deepspeed.runtime.zero.offload_config import (
     DeepSpeedZeroOffloadOptimizerConfig,
     DeepSpeedZeroOffloadParamConfig,
@@ -59,39 +60,6 @@ _STAGE12 = (
 
 def _refuse(what: str, instead: str) -> Unsupported:
     return Unsupported(f"{what}: not implemented here; {instead}")
-
-
-# Upstream's defaults: HF's sparse mixture-of-experts blocks, whose experts run by the
-# router's choice, are leaf modules unless the config says otherwise.
-DEFAULT_LEAF_MODULE_CLASSES = (
-    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
-    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
-    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
-)
-
-
-class DeepSpeedZeroLeafModuleConfig(DeepSpeedConfigModel):
-    """`zero_optimization.leaf_module`: modules the engine marks as leaf modules at initialize
-    (utils/z3_leaf_module.py's note), by class (its name, or module path and name), by name in
-    `named_modules()`, or by the end of that name. A single string is taken as a list of one.
-    Leaf marks matter at stage 3 (one gather per leaf) and at every stage for gradients
-    (a leaf's unused parameters reduce as zeros)."""
-
-    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
-    names: list[str] = Field(default_factory=list)
-    name_suffixes: list[str] = Field(default_factory=list)
-
-    @field_validator("classes", "names", "name_suffixes", mode="before")
-    @classmethod
-    def _one_string_is_a_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
-
-    def is_default(self) -> bool:
-        return (
-            list(self.classes) == list(DEFAULT_LEAF_MODULE_CLASSES)
-            and not self.names
-            and not self.name_suffixes
-        )
 
 
 class DeepSpeedZeroConfig(DeepSpeedConfigModel):
@@ -311,6 +279,16 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             data[key] = {"pin_memory": bool(pin), **data[key]}  # an explicit pin_memory wins
         return data
 
+    @field_validator("elastic_checkpoint", mode="after")
+    @classmethod
+    def _elastic_checkpoint_is_deprecated(cls, value: bool) -> bool:
+        if value:  # as upstream, which deprecated it: say so rather than accept it silently
+            logger.warning(
+                "Elastic checkpointing is deprecated and has no effect here: checkpoints always load "
+                "on any number of ranks; remove zero_optimization.elastic_checkpoint"
+            )
+        return value
+
     @field_validator("leaf_module", mode="before")
     @classmethod
     def _null_leaf_module_is_the_default(cls, value: Any) -> Any:
@@ -324,8 +302,11 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             return value
         return info.data.get("stage") == ZeroStageEnum.weights
 
-    @model_validator(mode="after")
-    def _check_partial_offload(self) -> "DeepSpeedZeroConfig":
+    def check_offload_stage(self) -> None:
+        """Refuse offload settings the configured stage cannot act on. Called by the whole
+        config (runtime/config.py), not by this section's own validation: upstream builds the
+        section alone from deprecated keys (`DeepSpeedZeroConfig(cpu_offload_param=True)`)
+        with no stage given, and only a whole config says which stage will run."""
         offload = self.offload_optimizer
         if offload is not None and offload.ratio < 1.0 and self.stage != ZeroStageEnum.weights:
             raise ValueError(
@@ -340,7 +321,6 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
                 f"parameters), got stage {int(self.stage)}; remove offload_param (offload_optimizer works "
                 "at every stage) or set stage to 3"
             )
-        return self
 
 
 def legacy_zero_value(value: Any) -> Any:

@@ -504,6 +504,23 @@ class GatherHandle:
         return all(b.done for b in self._buckets)
 
 
+class MultipleAllGatherHandles:
+    """Several gather handles waited on as one (upstream's name, for callers that gather in
+    groups and keep one handle). `wait(**kwargs)` passes its keyword arguments, by keyword,
+    to each handle's `wait`: handles differ in their signatures, and only a keyword reaches a
+    keyword-only parameter (`handle_dependency`, upstream's flag) as well as a positional one."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = list(handles)
+
+    def wait(self, **kwargs: Any) -> None:
+        for handle in self.handles:
+            handle.wait(**kwargs)
+
+    def is_done(self) -> bool:
+        return all(h.is_done() for h in self.handles if hasattr(h, "is_done"))
+
+
 class _ApiHolds:
     """The owner of holds taken by `param.all_gather()`, which `param.partition()` drops."""
 

@@ -31,6 +31,10 @@ from torch import nn
 
 from deepspeed.runtime.zero.param_state import ACCESS_HOOK, ZeroParamStatus, is_zero_param
 
+# Set (to True, in the module's __dict__) on modules built under
+# `zero.Init(mem_efficient_linear=False)`: `route_linears` leaves them on torch's forward.
+TORCH_LINEAR_MARK = "_ds_torch_linear"
+
 
 class LinearSavingParameter(torch.autograd.Function):
     """`y = x W^T + b`, saving `x`, `W` and `b` themselves (not a view of `W`) for backward."""
@@ -102,9 +106,12 @@ _ROUTES = ((nn.Linear, _linear_forward), (nn.MultiheadAttention, _attention_forw
 def route_linears(module: nn.Module) -> int:
     """Route each `nn.Linear` and `nn.MultiheadAttention` in `module` whose forward is torch's
     through `LinearSavingParameter` (see the note); returns how many. A subclass with its own
-    forward (a quantized Linear) is left alone."""
+    forward (a quantized Linear), and a module built under `Init(mem_efficient_linear=False)`,
+    are left alone."""
     count = 0
     for sub in module.modules():
+        if vars(sub).get(TORCH_LINEAR_MARK):
+            continue  # its Init asked for torch's F.linear (mem_efficient_linear=False)
         for cls, forward in _ROUTES:
             if isinstance(sub, cls) and type(sub).forward is cls.forward and "forward" not in vars(sub):
                 # A partial of a module-level function, not a bound method: it pickles by name

@@ -31,7 +31,9 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator  # noqa: F401 - an upstream name clients read here
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
 from deepspeed.runtime.zero import gather
+from deepspeed.runtime.zero.gather import MultipleAllGatherHandles  # noqa: F401 - upstream name
 from deepspeed.runtime.zero.lifecycle import LifecycleTracker, live_contexts
+from deepspeed.runtime.zero.linear import TORCH_LINEAR_MARK
 from deepspeed.runtime.zero.param_state import (
     IN_PLACE_INIT,
     ZeroParameter,
@@ -55,6 +57,7 @@ from deepspeed.runtime.zero.patching import (  # noqa: F401 - upstream names, re
 
 __all__ = [
     "GatheredParameters",
+    "MultipleAllGatherHandles",
     "partitioned_param_data_shape",
     "Init",
     "ZeroParamStatus",
@@ -146,6 +149,7 @@ class _InitSettings:
     rank: int
     sanity_checks: bool
     override_module_apply: bool  # False: leave nn.Module.apply unpatched
+    mem_efficient_linear: bool  # False: the engine leaves these modules on torch's F.linear
 
     def __init__(self, init: Init) -> None:
 
@@ -159,6 +163,7 @@ class _InitSettings:
         self.rank = dist.get_rank(init.group)
         self.sanity_checks = init.sanity_checks
         self.override_module_apply = init.override_module_apply
+        self.mem_efficient_linear = init.mem_efficient_linear
 
 
 # ============================================================================ the Init stack
@@ -256,8 +261,9 @@ def _convert_built_module(module: nn.Module) -> None:
 
 def _convert_module_with(module: nn.Module, settings: _InitSettings) -> None:
     # A parameter on the meta device (`torch.nn.utils.skip_init`, `device="meta"`) has no
-    # values to broadcast or shard: it stays as it is until materialised (`to_empty`), and
-    # the engine partitions it at `deepspeed.initialize` like any plain parameter.
+    # values to broadcast or shard: it stays as it is until materialised. `to_empty` under
+    # an active Init partitions it then (patching.py); otherwise the engine partitions it at
+    # `deepspeed.initialize` like any plain parameter.
     own = [
         (name, p)
         for name, p in module._parameters.items()
@@ -265,6 +271,8 @@ def _convert_module_with(module: nn.Module, settings: _InitSettings) -> None:
     ]
     if own:
         convert_params([p for _, p in own], settings, own, type(module).__name__)
+    if not settings.mem_efficient_linear:
+        module.__dict__[TORCH_LINEAR_MARK] = True  # read by zero/linear.py's route_linears
 
 
 def convert_params(
@@ -410,15 +418,10 @@ class Init:
     ) -> None:
         # mem_efficient_linear: upstream replaces F.linear for the whole process with a variant
         # that saves the parameter, not a view of its gathered tensor, for backward. Here the
-        # ZeRO-3 engine always routes its own nn.Linear modules through such a function
-        # (zero/linear.py): True is what happens; False, which would keep every gathered
-        # weight until backward, is refused rather than ignored.
-        if not mem_efficient_linear:
-            raise NotImplementedError(
-                "zero.Init: mem_efficient_linear=False is not supported: the ZeRO-3 engine always runs "
-                "nn.Linear through a function that saves the parameter, not its gathered tensor, for "
-                "backward (same results, less memory); pass True, the default"
-            )
+        # ZeRO-3 engine routes its own nn.Linear modules through such a function (zero/linear.py);
+        # False marks the modules this Init builds to keep torch's F.linear, whose saved view
+        # keeps each gathered weight alive until its backward (same results, more memory).
+        self.mem_efficient_linear = bool(mem_efficient_linear)
         if zero_param_parallel_group is not None:
             raise NotImplementedError(
                 "zero.Init: zero_param_parallel_group (ZeRO++ hpZ, hierarchical partitioning) is not supported; "

@@ -1,16 +1,19 @@
 """All of ZeRO-3's monkey-patching, in one place, and every patch undoes itself.
 
-While a `zero.Init` is active, three kinds of patch are in force:
+While a `zero.Init` is active, four kinds of patch are in force:
 - every `nn.Module` subclass's own `__init__` is wrapped, so that when the most-derived
   `__init__` of a module returns, a hook converts that module's own parameters;
   `nn.Module.__init_subclass__` wraps classes defined while the patch is in force;
 - `nn.Module.apply` is replaced by a hook (Init gathers each module around the function),
   unless the innermost Init's config says ``override_module_apply: false``;
+- `nn.Module.to_empty` runs the same hook as a finished `__init__` on every submodule once
+  it returns: a module built on the meta device (`torch.nn.utils.skip_init`) has no values
+  to partition until then, and is partitioned there, as one built in place would be;
 - tensor factories (`torch.empty`, `zeros`, ...) are replaced by wrapped originals that
   default the device and cast floating results to the Init dtype.
 
-`ModulePatches.install()` / `remove()` own the first two, `bind_factories()` /
-`unbind_factories()` the third; `remove_all()` undoes everything and is what `Init` calls on
+`ModulePatches.install()` / `remove()` own the first three, `bind_factories()` /
+`unbind_factories()` the fourth; `remove_all()` undoes everything and is what `Init` calls on
 every exit path. The originals are module constants (`_orig_torch_empty`, ...), which
 `partition_parameters` re-exports under the names HF transformers reads.
 """
@@ -37,6 +40,7 @@ _orig_torch_randn = torch.randn
 _orig_torch_tensor = torch.tensor
 ORIGINAL_FACTORIES = {name: globals()[f"_orig_torch_{name}"] for name in FACTORY_NAMES}
 _orig_module_apply = nn.Module.apply
+_orig_module_to_empty = nn.Module.to_empty
 
 
 def _local_device_name() -> str:
@@ -79,7 +83,7 @@ def _all_module_subclasses() -> list:
 
 
 class ModulePatches:
-    """Wraps module `__init__`s and `Module.apply` while installed; `remove()` restores them all."""
+    """Wraps module `__init__`s, `Module.apply` and `Module.to_empty` while installed; `remove()` restores them all."""
 
     installed: bool
     _originals: dict  # class -> its own original __init__
@@ -112,6 +116,7 @@ class ModulePatches:
             patches._wrap_class(cls)
 
         nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+        nn.Module.to_empty = self._make_to_empty()
         self.set_apply_hook(apply_hook)
 
     def set_apply_hook(self, apply_hook: Optional[Callable]) -> None:
@@ -154,6 +159,19 @@ class ModulePatches:
 
         return wrapped_init
 
+    def _make_to_empty(self) -> Callable:
+        patches = self
+
+        @functools.wraps(_orig_module_to_empty)
+        def to_empty(module, *args, **kwargs):
+            result = _orig_module_to_empty(module, *args, **kwargs)
+            if patches._on_built is not None:
+                for sub in module.modules():  # the hook converts only what is not converted yet
+                    patches._on_built(sub)
+            return result
+
+        return to_empty
+
     def remove(self) -> None:
         if not self.installed:
             return
@@ -168,6 +186,7 @@ class ModulePatches:
         elif "__init_subclass__" in nn.Module.__dict__:
             del nn.Module.__init_subclass__
         nn.Module.apply = _orig_module_apply
+        nn.Module.to_empty = _orig_module_to_empty
         self._on_built = None
         self.installed = False
 
@@ -228,4 +247,5 @@ PATCHES = Patches()
 def originals_in_place() -> bool:
     """True when no ZeRO patch is in force (used by tests and `live_contexts` debugging)."""
     factories_ok = all(getattr(torch, n) is f for n, f in ORIGINAL_FACTORIES.items())
-    return factories_ok and nn.Module.apply is _orig_module_apply and not PATCHES.modules.installed
+    modules_ok = nn.Module.apply is _orig_module_apply and nn.Module.to_empty is _orig_module_to_empty
+    return factories_ok and modules_ok and not PATCHES.modules.installed

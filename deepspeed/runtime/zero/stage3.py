@@ -463,6 +463,38 @@ class ZeroStage3Optimizer(ZeROOptimizer):
     def _grads(self) -> list:
         return [m.grad for m in self.masters.values() if m.grad is not None]
 
+    @property
+    def averaged_gradients(self) -> dict:
+        """Upstream's name for the reduced gradient shards: `{group index: [shards]}`, the
+        values of `get_fp32_grad_partitions()` in the group's order."""
+        return {g: list(grads.values()) for g, grads in self.get_fp32_grad_partitions().items()}
+
+    def flat_master_copies(self) -> list:
+        """Per optimizer param group, this rank's fp32 master shards back to back in one 1D
+        tensor (each shard's padding included), a copy: upstream keeps its masters in such
+        flat buffers and exposes them (`fp32_partitioned_groups_flat` at stage 3,
+        `single_partition_of_fp32_groups` below), which callers read to compare or inspect
+        the masters. Here masters are per parameter; change them through `load_state_dict` or
+        `deepspeed.utils.safe_set_local_fp32_param`, not through these copies."""
+        out = []
+        for group in self.optimizer.param_groups:
+            masters = [m.detach().reshape(-1) for m in group["params"]]
+            out.append(torch.cat(masters) if masters else torch.empty(0, dtype=torch.float32))
+        return out
+
+    def get_fp32_grad_partitions(self) -> dict:
+        """`{group index: {index in the group: this rank's fp32 gradient shard}}` for every
+        master that has a gradient since the last step or zero_grad (upstream's name). A shard
+        covers the rank's partition, the padding at the end of the last rank's being zeros;
+        under fp16 it is still multiplied by the loss scale (a step divides it out)."""
+        self.settle_gradients()  # offloaded slices still landing would be missed otherwise
+        out: dict = {}
+        for g, group in enumerate(self.optimizer.param_groups):
+            grads = {i: m.grad for i, m in enumerate(group["params"]) if m.grad is not None}
+            if grads:
+                out[g] = grads
+        return out
+
     def _global_norm_of_scaled_grads(self) -> float:
         """The L2 norm over every rank's gradient shards (inf or nan when any overflowed).
 
@@ -584,6 +616,11 @@ class ZeroStage3Optimizer(ZeROOptimizer):
 class DeepSpeedZeroOptimizer_Stage3(ZeroStage3Optimizer):  # noqa: N801 - upstream's name
     """The engine's optimizer at stage 3, under upstream's class name, so that code checking
     `isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)` sees what it expects."""
+
+    @property
+    def fp32_partitioned_groups_flat(self) -> list:
+        """Upstream's name for the flat fp32 master shards, one per group (`flat_master_copies`)."""
+        return self.flat_master_copies()
 
 
 @contextlib.contextmanager

@@ -276,3 +276,8 @@ class DeepSpeedZeroOptimizer(ZeroStage3Optimizer):
     """The engine's optimizer at stages 0-2 (the one wrapper, see the module note), under
     upstream's class name, so that `isinstance(engine.optimizer, DeepSpeedZeroOptimizer)`
     answers as it does there."""
+
+    @property
+    def single_partition_of_fp32_groups(self) -> list:
+        """Upstream's name for the flat fp32 master shards, one per group (`flat_master_copies`)."""
+        return self.flat_master_copies()
