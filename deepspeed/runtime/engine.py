@@ -42,8 +42,8 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
     allreduce_whole_grads,
     make_replicated_shards,
     reduce_accumulated_grads,
-    refuse_partitioned,
     set_aside_grad,
+    unpartition,
 )
 from deepspeed.utils import groups
 from deepspeed.utils.logging import logger
@@ -222,9 +222,15 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
 
     def _prepare_replicated_module(self) -> None:
         """Stages 0-2: full parameters and buffers in the training dtype, on the device."""
-        refused = refuse_partitioned(self.module, self._config.zero_optimization_stage)
-        if refused:
-            raise ValueError(refused)
+        whole = unpartition(self.module)  # built under zero.Init: stages 0-2 keep parameters whole
+        if whole:
+            logger.info(
+                "zero_optimization.stage=%d keeps parameters whole: %d parameters partitioned by "
+                "zero.Init (first: %s) were gathered back",
+                self._config.zero_optimization_stage,
+                len(whole),
+                whole[0],
+            )
         self._cast_in_place(self.module.parameters())
         self._cast_in_place(self.module.buffers())
         if dist.get_world_size() > 1:

@@ -349,6 +349,22 @@ class TestEngineParity(DistributedTest):
         assert engine.sparse_tensor_module_names == set() and engine.sparse_gradients_enabled() is False
         assert isinstance(engine.basic_optimizer, torch.optim.AdamW)
 
+    def test_model_built_under_init_trains_whole_at_stages_0_to_2(self):
+        """Stages 0-2 keep parameters whole: those zero.Init partitioned are gathered back into
+        plain parameters at initialize (the same objects), and train as the plain run."""
+        data = batches(4, seed=5)
+        reference, ref_losses = reference_run(data)
+        for stage in (0, 1, 2):
+            engine, losses = engine_run(data, build_under_init=True, zero_optimization={"stage": stage})
+            assert_parity(engine, losses, reference, ref_losses)
+            params = list(engine.module.parameters())
+            assert all(type(p) is torch.nn.Parameter and not hasattr(p, "ds_id") for p in params)
+        # what initialize converted: Init partitions whatever stage the config names
+        init = deepspeed.zero.Init(config_dict_or_path=config(zero_optimization={"stage": 1})).start()
+        built = TinyLM()
+        init.stop()
+        assert all(p.ds_tensor is not None and p.numel() == 0 for p in built.parameters())
+
     def test_sharded_memory_is_one_nth(self):
         engine, _ = engine_run(batches(1))
         ws = dist.get_world_size()

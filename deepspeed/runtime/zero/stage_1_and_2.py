@@ -250,18 +250,31 @@ def _allreduce_into_grads(chunk: list, dtype: torch.dtype, reducer: Any, drop_sh
         reducer.accumulate(state, mine, 1.0)
 
 
-def refuse_partitioned(module: nn.Module, stage: int) -> Optional[str]:
-    """An error message when `module` holds stage-3 partitioned parameters (built under zero.Init)."""
+def unpartition(module: nn.Module) -> list:
+    """Make every parameter of `module` that `zero.Init` partitioned whole and plain again.
+
+    Stages 0-2 keep full parameters and install no gathering hooks, so a model built under
+    `zero.Init` (or with `initialize` called inside one) would run its forward on empty
+    tensors. Each such parameter is gathered once, its full data kept, and its ZeRO state
+    dropped: from then on it is an ordinary `nn.Parameter`, the same object, so optimizer
+    parameter groups built from `model.parameters()` still name it. Returns their names.
+    """
+    from deepspeed.runtime.zero import gather
     from deepspeed.runtime.zero.param_state import is_zero_param
 
-    names = [n for n, p in module.named_parameters() if is_zero_param(p)]
-    if not names:
-        return None
-    return (
-        f"zero_optimization.stage={stage} keeps full parameters on every rank, but {len(names)} parameters "
-        f"(first: {names[0]}) were partitioned by deepspeed.zero.Init; build the model without zero.Init "
-        "(or with Init(enabled=False)) for stages 0-2, or use stage 3"
-    )
+    named = [(n, p) for n, p in module.named_parameters() if is_zero_param(p)]
+    if not named:
+        return []
+    states = [p._zero_state for _, p in named]
+    owner = object()  # this conversion's hold, released below
+    gather.fetch_states(states, owner)
+    full = [p.data.clone() for _, p in named]  # the gathered data may be a pooled buffer's view
+    gather.release_states(states, owner)
+    for (_, param), data in zip(named, full):
+        param.__class__ = nn.Parameter
+        del param._zero_state
+        param.data = data
+    return [n for n, _ in named]
 
 
 # Upstream's import path for the stage 1/2 memory estimators.
