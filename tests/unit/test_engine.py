@@ -391,6 +391,39 @@ class TestEngineParity(DistributedTest):
         assert all(engine.optimizer.masters[p.ds_id].data_ptr() == p.ds_tensor.data_ptr() for p in params)
 
 
+class WithSpareHead(TinyLM):
+    """TinyLM with a second head its forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(WIDTH, 3)
+
+
+class TestIgnoreUnusedParameters(DistributedTest):
+    world_size = [2]
+
+    def test_false_refuses_a_step_with_a_parameter_that_got_no_gradient(self):
+        from deepspeed.runtime.zero.stage3 import UnusedParametersError
+
+        data = batches(2, seed=7)
+        reference, ref_losses = reference_run(data)
+        for stage in (1, 2, 3):
+            zero = {"stage": stage, "ignore_unused_parameters": False}
+            # every parameter used: trains as plain PyTorch
+            engine, losses = engine_run(data, zero_optimization=zero)
+            assert_parity(engine, losses, reference, ref_losses)
+            # a spare head no forward uses: every rank raises at the step, naming it
+            with pytest.raises(
+                UnusedParametersError, match=r"2 trainable parameters .*spare\.weight, spare\.bias"
+            ):
+                engine_run(data, model_cls=WithSpareHead, zero_optimization=zero)
+            with pytest.raises(AssertionError, match="ignore_unused_parameters"):  # upstream raises this
+                engine_run(data, model_cls=WithSpareHead, zero_optimization=zero)
+        # the default leaves the spare head untouched, as torch does
+        engine, losses = engine_run(data, model_cls=WithSpareHead, zero_optimization={"stage": 2})
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
 class TestEngineFeatures(DistributedTest):
     world_size = [2]
 

@@ -81,10 +81,6 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         "allgather_sequential": _refuse(
             "one all-gather per parameter", "parameters are gathered in coalesced buckets; set it to false"
         ),
-        "ignore_unused_parameters": Unsupported(
-            "a parameter that no rank uses in a step gets no gradient and is skipped, as in torch (one used "
-            "on some ranks only is refused at the step, see docs/engine.md); remove the key or set it to true"
-        ),
         "legacy_stage1": _refuse("upstream's old stage-1 implementation", "set it to false"),
         "zero_hpz_partition_size": _refuse("ZeRO++ hierarchical partitioning (hpZ)", "set it to 1"),
         "zero_quantized_weights": _refuse("ZeRO++ quantized weight all-gather (qwZ)", "set it to false"),
@@ -197,7 +193,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Stage 3: all-gather parameters one by one instead of through a flat bucket."""
 
     ignore_unused_parameters: bool = True
-    """Stage 2: do not fail when some parameters receive no gradient."""
+    """False: a step raises, naming them, when trainable parameters got no gradient since the
+    last step (every stage here; upstream checks at stage 2). True: they are left untouched."""
 
     legacy_stage1: bool = False
     """Upstream's old stage-1 implementation; true is refused."""

@@ -201,6 +201,11 @@ def _id_hash(ds_id: int) -> int:
     return (ds_id * 2654435761 + 12345) % _SIGNATURE_MODULUS  # Knuth's multiplicative hash
 
 
+class UnusedParametersError(RuntimeError, AssertionError):
+    """A step found trainable parameters without a gradient under `ignore_unused_parameters:
+    false`. Also an AssertionError, which is what upstream raises there and what its users catch."""
+
+
 class ZeroStage3Optimizer(ZeROOptimizer):
     """Steps fp32 master shards; `param_groups` and `state` are the wrapped optimizer's."""
 
@@ -215,6 +220,7 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         pin_masters: bool = False,
     ) -> None:
         self.config = config
+        self._module = module  # for parameter names in errors
         self.offload = master_device is not None  # masters, their grads and the state off the device
         self.before_step: Optional[Callable[[], None]] = None  # set by the engine (see step())
         self.after_step: Optional[Callable[[], None]] = None
@@ -534,6 +540,23 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             )
         return math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("inf")
 
+    def _refuse_unused_parameters(self) -> None:
+        """`ignore_unused_parameters: false`: a trainable parameter that got no gradient since
+        the last step is an error, as upstream's. The norm's all-reduce has just checked that
+        every rank reduced the same parameters, so every rank raises here, none hangs."""
+        unused = [state for state in self.states if self.masters[state.ds_id].grad is None]
+        if not unused:
+            return
+        names = {id(p): n for n, p in self._module.named_parameters()}
+        shown = ", ".join(names.get(id(state.param), f"ds_id {state.ds_id}") for state in unused[:5])
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        raise UnusedParametersError(
+            f"ZeRO step: {len(unused)} trainable parameters got no gradient since the last step ({shown}{more}) "
+            "and zero_optimization.ignore_unused_parameters is false; use them in the forward, freeze them "
+            "(requires_grad=False), or set ignore_unused_parameters to true (the default), which leaves them "
+            "untouched by the step as torch does"
+        )
+
     def step(self) -> bool:
         """Unscale, check overflow, clip, step, and write masters back. False if skipped.
 
@@ -545,6 +568,8 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             self.before_step()
         scale = self.loss_scaler.loss_scale
         scaled_norm = self._global_norm_of_scaled_grads()
+        if not self.config.zero_config.ignore_unused_parameters:
+            self._refuse_unused_parameters()
         self.overflow = self.config.fp16_enabled and not math.isfinite(scaled_norm)
         if self.overflow:
             self.loss_scaler.update_scale(True)
