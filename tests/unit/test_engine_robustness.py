@@ -496,11 +496,20 @@ class TestReplicatedStages(DistributedTest):
         engine.step()
         assert engine.global_steps == 1
 
-    def test_a_model_built_under_init_is_refused_at_stage_2(self):
+    def test_a_model_built_under_init_is_made_whole_at_stage_2(self):
+        """Parameters used outside their modules (by keyword, inside torch.cat) need no gather
+        at stage 2 either: the partitioned ones are whole again after initialize, and train."""
+        torch.manual_seed(0)
+        reference = OutsideUses()
+        torch.manual_seed(0)
         with deepspeed.zero.Init():
             model = OutsideUses()
-        with pytest.raises(ValueError, match="stage=2 keeps full parameters"):
-            deepspeed.initialize(model=model, config=sgd_config(zero_optimization={"stage": 2}))
+        engine, *_ = deepspeed.initialize(model=model, config=sgd_config(zero_optimization={"stage": 2}))
+        assert [p.shape for p in model.parameters()] == [p.shape for p in reference.parameters()]
+        data = make_data(3, (WIDTH,), seed=2)
+        losses = engine_losses(engine, data)
+        ref_losses = reference_losses(reference, data)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
 
 
 class TestOptimizerOffload(DistributedTest):
