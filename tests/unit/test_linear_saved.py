@@ -66,37 +66,28 @@ class TestLinearSavesTheParameter(DistributedTest):
         # too, before autograd records the weight's shape.
         config = _config()
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 10**6
-        reference = _model()
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         engine, *_ = deepspeed.initialize(model=_model(), config=config)
-        rank = dist.get_rank()
-        gen = torch.Generator().manual_seed(5)
-        for _ in range(2):
-            engine.empty_partition_cache()
-            batch = torch.randn(4, WIDTH, generator=gen)
-            engine.backward(engine(batch[2 * rank : 2 * rank + 2]).pow(2).mean())
-            engine.step()
-            ref_opt.zero_grad()
-            reference(batch).pow(2).mean().backward()
-            ref_opt.step()
-        for name, p in reference.named_parameters():
-            got = dict(engine.module.named_parameters())[name]
-            with deepspeed.zero.GatheredParameters(got):
-                torch.testing.assert_close(got.data, p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        self._train_against_plain(engine, seed=5, before_forward=engine.empty_partition_cache)
 
     def test_init_without_mem_efficient_linear_keeps_torch_linear(self):
         # Upstream's opt-out: the Linears this Init builds are not routed, so autograd keeps
         # a view of each gathered weight until backward; training is the same.
         with deepspeed.zero.Init(config_dict_or_path=_config(), mem_efficient_linear=False):
             model = _model()
-        reference = _model()
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         engine, *_ = deepspeed.initialize(model=model, config=_config())
         linears = [m for m in engine.module.modules() if isinstance(m, nn.Linear)]
         assert len(linears) == LAYERS and all("forward" not in vars(m) for m in linears)
-        gen = torch.Generator().manual_seed(7)
+        self._train_against_plain(engine, seed=7)
+
+    @staticmethod
+    def _train_against_plain(engine, seed, before_forward=lambda: None):
+        """Two steps of the engine (this rank's rows) and of a plain model on whole batches."""
+        reference = _model()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         rank = dist.get_rank()
+        gen = torch.Generator().manual_seed(seed)
         for _ in range(2):
+            before_forward()
             batch = torch.randn(4, WIDTH, generator=gen)
             loss = engine(batch[2 * rank : 2 * rank + 2]).pow(2).mean()
             assert loss.grad_fn is not None
