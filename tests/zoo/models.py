@@ -222,6 +222,33 @@ class ReturnBiasModel(nn.Module):
         return self.head(torch.tanh(h + bias))
 
 
+class PassingOnBias(nn.Module):
+    """Returns its child's bias untouched to its own caller (upstream's test_ext_param_return
+    nests the same way): it never computes with the bias, it only passes it on."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.dense = DenseReturningBias(width)
+
+    def forward(self, x):
+        h, bias = self.dense(x)
+        return torch.tanh(h), bias
+
+
+class PassedOnBiasModel(nn.Module):
+    """The bias reaches the module that adds it through a module that only passes it on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.block = PassingOnBias(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        h, bias = self.block(self.embed(ids))
+        return self.head(h + bias * bias.sum())
+
+
 class RNNModel(nn.Module):
     def __init__(self, cell: str) -> None:
         super().__init__()

@@ -125,6 +125,16 @@ class TestZooModels(DistributedTest):
             assert any(p is got.model.dense.bias for p in external_parameters(got.model))
 
     @ALL_STAGES
+    def test_bias_passed_on_through_a_module_that_does_not_use_it(self, stage):
+        got, _ = check_parity(
+            Case("passed_on_bias", zm.PassedOnBiasModel, zm.token_batch, zm.lm_loss, stage=stage)
+        )
+        if stage == 3:  # registered with the module that uses it, not with the one that passed it on
+            bias = got.model.block.dense.bias
+            assert [p is bias for p in external_parameters(got.model)] == [True]
+            assert got.model.block._external_params == {}  # upstream's table, on every submodule
+
+    @ALL_STAGES
     def test_bert_masked_lm(self, stage):
         check_parity(Case("bert_mlm", zm.bert_mlm, zm.mlm_batch, zm.hf_mlm_loss, stage=stage))
 

@@ -98,6 +98,7 @@ from deepspeed.runtime.zero.partition_parameters import (
     external_parameters,
     named_external_parameters,
     register_external_parameter,
+    unregister_external_parameter,
 )
 from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
@@ -357,9 +358,11 @@ class ParameterCoordinator:
 
     def _register_deepspeed_module(self, module: nn.Module) -> None:
         """Install the forward hooks on every submodule of `module` (see the note above), and
-        give each its upstream `ds_external_parameters()` method, which TRL walks."""
+        give each its upstream `ds_external_parameters()` method, which TRL walks, and its
+        `_external_params` table (upstream's name; code written for it reads the table)."""
         for sub in module.modules():
             sub.__dict__["ds_external_parameters"] = types.MethodType(named_external_parameters, sub)
+            sub.__dict__.setdefault("_external_params", {})
             self.forward_hooks.append(sub.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self.forward_hooks.append(
                 sub.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
@@ -499,15 +502,23 @@ class ParameterCoordinator:
         self._adopt(param)
 
     def _hand_returned_parameters(self, hold: _Hold, output: Any) -> None:
-        """A forward that returns its own parameter (Megatron's "return bias"): the calling
+        """A forward that returns a parameter it holds (Megatron's "return bias"): the calling
         module uses it next, so it adopts the parameter before this module releases it, as it
-        would at its first use; the parameter never goes empty in between."""
+        would at its first use; the parameter never goes empty in between.
+
+        A parameter this module only passed on (registered with it as external, not its own)
+        is from then on the caller's alone: the caller's forward and backward enclose this
+        module's, so they cover it, and the parameter stays registered with exactly one
+        module on the forward stack (where upstream's `_external_params` has it too)."""
         if output is None or not self.forward_holds:
             return
         held = {id(s) for s in hold.states}
         for param in zero_params_in(output, []):
             if id(param._zero_state) in held:
                 self._adopt(param)
+                if param.ds_id in hold.module.__dict__.get("_external_params", {}):
+                    unregister_external_parameter(hold.module, param)
+                    self._states_cache.pop(id(hold.module), None)
 
     def _adopt(self, param: nn.Parameter) -> None:
         """Register `param` with the running submodule (external from now on, so later passes
