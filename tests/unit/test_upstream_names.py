@@ -167,7 +167,7 @@ class TestOptimizerShardViews(DistributedTest):
         config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_clipping": 0.0,
-            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         }
         torch.manual_seed(1)
@@ -177,9 +177,11 @@ class TestOptimizerShardViews(DistributedTest):
         engine, *_ = deepspeed.initialize(model=model, config=config)
         rank, world = dist.get_rank(), dist.get_world_size()
         x = torch.arange(10.0).view(2, 5)  # the same batch on both ranks: the average is its gradient
+        # One sub-group per parameter: its master, this rank's padded fp32 shard, in order.
         flat = engine.optimizer.fp32_partitioned_groups_flat
-        want = torch.cat([_padded_slice(p, rank, world) for p in reference.parameters()])
-        assert len(flat) == 1 and torch.equal(flat[0], want)
+        assert len(flat) == 2 and [g[0] for g in engine.optimizer.fp16_groups] == list(model.parameters())
+        for master, p in zip(flat, reference.parameters()):
+            assert torch.equal(master, _padded_slice(p, rank, world))
         assert engine.optimizer.get_fp32_grad_partitions() == {}  # nothing reduced yet
         for _ in range(2):  # a second backward without a step adds to the shards
             engine.backward(engine(x).sum())
@@ -194,6 +196,9 @@ class TestOptimizerShardViews(DistributedTest):
             ]
         engine.step()
         assert engine.optimizer.get_fp32_grad_partitions() == {}  # a step frees them
+        # The wrapped optimizer's state is keyed by them (upstream's test reads `step` this way).
+        for master in engine.optimizer.fp32_partitioned_groups_flat:
+            assert engine.optimizer.optimizer.state[master]["momentum_buffer"].shape == master.shape
 
 
 class TestSkipInitUnderInit(DistributedTest):

@@ -642,10 +642,28 @@ class DeepSpeedZeroOptimizer_Stage3(ZeroStage3Optimizer):  # noqa: N801 - upstre
     """The engine's optimizer at stage 3, under upstream's class name, so that code checking
     `isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)` sees what it expects."""
 
+    # Upstream cuts each param group into sub-groups and keeps one flat fp32 tensor per
+    # sub-group, the key of the wrapped optimizer's state. Here every trainable parameter's
+    # master is one flat fp32 tensor (this rank's shard) keyed the same way, so each parameter
+    # is a sub-group of its own: `fp16_groups[i]` and `fp32_partitioned_groups_flat[i]` are
+    # the i-th, in the optimizer's order, and `optimizer.state[fp32_partitioned_groups_flat[i]]`
+    # is that parameter's state, as code written for upstream reads it.
+
+    def _sub_groups(self) -> list:
+        """(parameter, master) per sub-group, in the wrapped optimizer's order."""
+        param_of = {id(self.masters[s.ds_id]): s.param for s in self.states}
+        return [(param_of[id(m)], m) for group in self.optimizer.param_groups for m in group["params"]]
+
+    @property
+    def fp16_groups(self) -> list:
+        """Upstream's sub-groups of the model's (16-bit) parameters: here `[[param]]` per trainable parameter."""
+        return [[param] for param, _ in self._sub_groups()]
+
     @property
     def fp32_partitioned_groups_flat(self) -> list:
-        """Upstream's name for the flat fp32 master shards, one per group (`flat_master_copies`)."""
-        return self.flat_master_copies()
+        """Upstream's flat fp32 master per sub-group: here each trainable parameter's master
+        (this rank's shard, 1-D), the tensor itself, not a copy."""
+        return [master for _, master in self._sub_groups()]
 
 
 @contextlib.contextmanager
