@@ -182,7 +182,7 @@ class CheckpointMixin:
         _on_all_ranks(
             "save_checkpoint",
             self._write_rank_files,
-            ckpt_dir,
+            save_dir,
             header,
             tag,
             client_state or {},
@@ -208,20 +208,37 @@ class CheckpointMixin:
             "world_size": _world_size(),
         }
 
+    # Upstream's names for the files of one save (code written for it calls or patches them).
+
+    def _get_ckpt_name(self, checkpoints_path: str, tag: Any, mp_placeholder: Any = None) -> str:
+        """This rank's model-states file of the save `checkpoints_path/tag`."""
+        return os.path.join(checkpoints_path, str(tag), ckpt_io.model_states_name(_rank()))
+
+    def _get_zero_ckpt_name(self, checkpoints_path: str, tag: Any) -> str:
+        """This rank's optimizer-states file (its fp32 master and optimizer-state shards)."""
+        return os.path.join(checkpoints_path, str(tag), ckpt_io.optim_states_name(_rank()))
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: Any, expp_rank: int = 0) -> str:
+        """The file upstream keeps an optimizer's states in when ZeRO does not shard them
+        (expert-parallel rank `expp_rank`). Here ZeRO shards every optimizer at every stage,
+        so its states are in the `_get_zero_ckpt_name` files and this one is never written
+        or read: a module-only load, which reads no optimizer state, never asks for it."""
+        return os.path.join(checkpoints_path, str(tag), f"expp_rank_{expp_rank}_mp_rank_00_optim_states.pt")
+
     def _write_rank_files(
-        self, ckpt_dir: str, header: dict, tag: str, client_state: dict, exclude_frozen: bool
+        self, save_dir: str, header: dict, tag: str, client_state: dict, exclude_frozen: bool
     ) -> None:
         ckpt_io.check_tag(tag)
         if header["tag"] != tag:
             raise ValueError(f"checkpoint tag {tag!r} differs from rank 0's {header['tag']!r}; pass one tag")
         entries = self._checkpoint_entries(exclude_frozen)
-        os.makedirs(ckpt_dir, exist_ok=True)
-        model_path = os.path.join(ckpt_dir, ckpt_io.model_states_name(header["rank"]))
+        os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+        model_path = self._get_ckpt_name(save_dir, tag)
         ckpt_io.atomic_torch_save(self._model_states(entries, header, client_state), model_path)
         if client_state and header["rank"] == 0:
             _warn_if_load_needs_trust(model_path)
         if self.optimizer is not None:
-            optim_path = os.path.join(ckpt_dir, ckpt_io.optim_states_name(header["rank"]))
+            optim_path = self._get_zero_ckpt_name(save_dir, tag)
             ckpt_io.atomic_torch_save(self._optim_states(entries, header), optim_path)
 
     def _publish_save(self, save_dir: str, ckpt_dir: str, tag: str, save_latest: bool) -> None:
@@ -435,22 +452,49 @@ class CheckpointMixin:
         if ckpt_dir is None:
             return None, None
         load_optim = self.optimizer is not None and load_optimizer_states and not load_module_only
-        ckpt = _on_all_ranks(
-            "load_checkpoint",
-            self._open_checkpoint,
-            ckpt_dir,
-            load_optim,
-            load_module_strict,
-            trust_checkpoint,
-        )
         load_sched = load_lr_scheduler_states and not load_module_only
-        _on_all_ranks(
-            "load_checkpoint", self._apply_checkpoint, ckpt, load_optim, load_sched, load_module_only
-        )
+
+        def open_and_apply() -> ShardedCheckpoint:  # this rank's reads: no collective inside
+            ckpt = self._open_checkpoint(ckpt_dir, load_optim, load_module_strict, trust_checkpoint)
+            self._apply_checkpoint(ckpt, load_optim, load_sched, load_module_only)
+            return ckpt
+
+        ckpt = _on_all_ranks("load_checkpoint", self._in_loading_turns, open_and_apply)
         self._refresh_full_params(after_load=True)  # gathered (stage 3) or full (0-2) tensors
         rank = _rank()
         log_dist(f"loaded checkpoint {ckpt_dir} (saved on {ckpt.world_size} rank(s))", ranks=[0])
         return ckpt.model_file(rank if rank < ckpt.world_size else 0), ckpt.client_state(rank)
+
+    def _in_loading_turns(self, load: Callable[[], Any]) -> Any:
+        """Run `load`, under `zero_optimization.pipeline_loading_checkpoint` one local rank
+        of each node after another (local rank 0 first), so a node holds one rank's loaded
+        files in host memory at a time instead of all of them at once.
+
+        Every rank takes part in every turn's barrier, also one whose own load raised (its
+        error is raised after the last turn), so a failure cannot leave the others waiting.
+        """
+        if not self._config.zero_config.pipeline_loading_checkpoint:
+            return load()
+        if self.zero_optimization_stage() != 3:
+            raise ValueError(
+                "zero_optimization.pipeline_loading_checkpoint loads rank by rank at stage 3 only, as "
+                f"upstream; this engine runs stage {self.zero_optimization_stage()}: remove the key"
+            )
+        if _world_size() == 1:
+            return load()
+        local_ranks = [0] * _world_size()
+        dist.all_gather_object(local_ranks, dist.get_local_rank())
+        result, error = None, None
+        for turn in range(max(local_ranks) + 1):
+            if turn == dist.get_local_rank():
+                try:
+                    result = load()
+                except Exception as err:  # raised after the turns, as _on_all_ranks reports it
+                    error = err
+            dist.barrier()
+        if error is not None:
+            raise error
+        return result
 
     def _resolve_checkpoint_dir(self, load_dir: str, tag: Any) -> Optional[str]:
         if tag is None:

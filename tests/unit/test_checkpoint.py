@@ -15,7 +15,9 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections import OrderedDict, defaultdict, namedtuple
+from unittest import mock
 
 import pytest
 import torch
@@ -212,6 +214,45 @@ class TestElasticLoad(DistributedTest):
                             atol=5e-5,
                             msg=lambda m, where=f"{case}, {name}": f"{where}: {m}",
                         )
+
+    def test_module_only_load_in_turns_reads_no_optimizer_state(self, two_rank_checkpoint, monkeypatch):
+        """`load_module_only`: the saved weights (fp32 masters too), this run's counters and no
+        optimizer state, and never a request for upstream's optimizer-only file (upstream's
+        checkpoint tests patch `_get_optimizer_ckpt_name` to check that). Under
+        `pipeline_loading_checkpoint` the ranks of the node read one after another."""
+        reference = load_reference(two_rank_checkpoint)
+        cfg = train_config()
+        cfg["zero_optimization"]["pipeline_loading_checkpoint"] = True
+        engine = build(cfg, seed=0)
+        spans = []
+        real_open = checkpoint_io.ShardedCheckpoint.open.__func__
+
+        def timed_open(cls, *args, **kwargs):
+            start = time.time()
+            time.sleep(0.2)  # long enough that two ranks reading at once would overlap
+            out = real_open(cls, *args, **kwargs)
+            spans.append((start, time.time()))
+            return out
+
+        monkeypatch.setattr(checkpoint_io.ShardedCheckpoint, "open", classmethod(timed_open))
+        with mock.patch.object(engine, "_get_optimizer_ckpt_name", wraps=engine._get_optimizer_ckpt_name) as name:
+            path, _ = engine.load_checkpoint(two_rank_checkpoint, load_module_only=True)
+        name.assert_not_called()
+        if dist.get_rank() < 2:  # saved on 2 ranks: the others get rank 0's file
+            assert path == engine._get_ckpt_name(two_rank_checkpoint, f"global_step{SAVE_STEPS}")
+        assert_equal_params(gathered_params(engine.module), reference["saved"])
+        assert engine.global_steps == 0 and not engine.optimizer.optimizer.state
+        turns = [None] * dist.get_world_size()
+        dist.all_gather_object(turns, (dist.get_local_rank(), spans))
+        assert [len(s) for _, s in turns] == [1] * len(turns)
+        ordered = [s[0] for _, s in sorted(turns)]
+        for (_, end), (start, _) in zip(ordered, ordered[1:]):
+            assert end <= start, f"local ranks read at the same time: {ordered}"
+        monkeypatch.undo()
+        # Upstream asserts stage 3 for it: another stage refuses it at the load, on every rank.
+        cfg["zero_optimization"]["stage"] = 2
+        with pytest.raises(CheckpointError, match="pipeline_loading_checkpoint loads rank by rank at stage 3"):
+            build(cfg, seed=0).load_checkpoint(two_rank_checkpoint)
 
     def test_inference_engine_loads_the_weights(self, two_rank_checkpoint):
         reference = load_reference(two_rank_checkpoint)

@@ -95,7 +95,6 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             "MiCS sharding groups", "set it to -1 (shard over all data-parallel ranks)"
         ),
         "mics_hierarchical_params_gather": _refuse("MiCS hierarchical gathers", "set it to false"),
-        "pipeline_loading_checkpoint": _refuse("pipeline-parallel checkpoint loading", "set it to false"),
         "log_trace_cache_warnings": _refuse("trace-cache warnings", "set it to false"),
         "save_muon_momentum_buffer_in_memory": _refuse("Muon NVMe offload options", "set it to false"),
         "zenflow": _refuse("ZenFlow", "remove the key"),
@@ -227,7 +226,9 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Stage 3: use the memory-efficient linear layer that does not keep gathered weights."""
 
     pipeline_loading_checkpoint: bool = False
-    """Stage 3: load checkpoints in pipeline-parallel mode."""
+    """Stage 3: `load_checkpoint` runs on the ranks of a node one after another (local rank 0
+    first), so the node's host memory holds one rank's loaded files at a time. Another stage
+    refuses it at the load, as upstream."""
 
     override_module_apply: bool = True
     """Stage 3: while `zero.Init` is active, `Module.apply` gathers the module's parameters.
