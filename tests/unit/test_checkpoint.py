@@ -235,7 +235,9 @@ class TestElasticLoad(DistributedTest):
             return out
 
         monkeypatch.setattr(checkpoint_io.ShardedCheckpoint, "open", classmethod(timed_open))
-        with mock.patch.object(engine, "_get_optimizer_ckpt_name", wraps=engine._get_optimizer_ckpt_name) as name:
+        with mock.patch.object(
+            engine, "_get_optimizer_ckpt_name", wraps=engine._get_optimizer_ckpt_name
+        ) as name:
             path, _ = engine.load_checkpoint(two_rank_checkpoint, load_module_only=True)
         name.assert_not_called()
         if dist.get_rank() < 2:  # saved on 2 ranks: the others get rank 0's file
@@ -251,7 +253,9 @@ class TestElasticLoad(DistributedTest):
         monkeypatch.undo()
         # Upstream asserts stage 3 for it: another stage refuses it at the load, on every rank.
         cfg["zero_optimization"]["stage"] = 2
-        with pytest.raises(CheckpointError, match="pipeline_loading_checkpoint loads rank by rank at stage 3"):
+        with pytest.raises(
+            CheckpointError, match="pipeline_loading_checkpoint loads rank by rank at stage 3"
+        ):
             build(cfg, seed=0).load_checkpoint(two_rank_checkpoint)
 
     def test_inference_engine_loads_the_weights(self, two_rank_checkpoint):
