@@ -1,6 +1,6 @@
 """`deepspeed.zero`: the public ZeRO-3 API (`Init`, `GatheredParameters`, external parameters, `TiledLinear`)."""
 
-from deepspeed.runtime.zero.lifecycle import live_contexts
+from deepspeed.runtime.zero.start_stop import live_contexts
 from deepspeed.runtime.zero.param_state import ZeroParamStatus
 from deepspeed.runtime.zero.partition_parameters import (
     GatheredParameters,

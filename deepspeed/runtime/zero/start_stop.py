@@ -1,4 +1,4 @@
-"""The start()/stop() lifecycle tracker shared by `zero.Init` and `zero.GatheredParameters`.
+"""The start()/stop() tracker shared by `zero.Init` and `zero.GatheredParameters`.
 
 [Note: why a tracker object, not flags on the context]
 Both context classes split `__enter__`/`__exit__` into public `start()`/`stop()` so that a
@@ -33,7 +33,7 @@ def _caller_site(skip_files: tuple) -> str:
 
 
 # Frames from these files are skipped when recording where start() was called from.
-_INTERNAL_FILES = ("zero/lifecycle.py", "zero/partition_parameters.py")
+_INTERNAL_FILES = ("zero/start_stop.py", "zero/partition_parameters.py")
 
 
 class _LiveRegistry:
@@ -43,13 +43,13 @@ class _LiveRegistry:
         # id(the tracker's weak reference to its owner) -> tracker; trackers hold no reference to owners
         self._live: dict = {}
 
-    def add(self, tracker: LifecycleTracker) -> None:
+    def add(self, tracker: StartStopTracker) -> None:
         self._live[id(tracker.owner_ref)] = tracker
 
-    def discard(self, tracker: LifecycleTracker) -> None:
+    def discard(self, tracker: StartStopTracker) -> None:
         self._live.pop(id(tracker.owner_ref), None)
 
-    def pop_for(self, owner_ref: weakref.ref) -> Optional[LifecycleTracker]:
+    def pop_for(self, owner_ref: weakref.ref) -> Optional[StartStopTracker]:
         """The active tracker whose owner `owner_ref` referred to, now no longer live; None if none is active."""
         return self._live.pop(id(owner_ref), None)
 
@@ -71,7 +71,7 @@ def live_contexts() -> list:
     return _REGISTRY.snapshot()
 
 
-class LifecycleTracker:
+class StartStopTracker:
     """idle -> active -> idle; `begin()` and `end()` check the transition and raise on misuse."""
 
     description: str  # names the owner in messages, e.g. "GatheredParameters(3 params)"
