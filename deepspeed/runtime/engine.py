@@ -31,10 +31,11 @@ from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
 from deepspeed.runtime.zero.leaf_grads import LeafGradients
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from deepspeed.runtime.zero.linear import route_linears
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.runtime.zero.offload_states import StateOffloader
-from deepspeed.runtime.zero.param_state import ZeroParamStatus, is_zero_param
+from deepspeed.runtime.zero.parameter import is_zero_param
 from deepspeed.runtime.zero.partition_parameters import GatherHold, Init, cast_partitioned
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3, ZeroStage3Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import (

@@ -21,7 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNNER = str(Path(__file__).with_name("run_doc.py"))
 PAGES = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
 TWO_RANK_PAGES = {"docs/gathered_parameters.md"}
-NO_CODE_PAGES = {"docs/architecture.md", "docs/config.md", "docs/differences.md", "docs/layout.md"}  # prose and tables only
+NO_CODE_PAGES = {
+    "docs/architecture.md",
+    "docs/config.md",
+    "docs/differences.md",
+    "docs/layout.md",
+}  # prose and tables only
 TIMEOUT_S = 420
 
 

@@ -960,7 +960,7 @@ class TestApiSurfaceDistributed(DistributedTest):
 
     def test_engine_queries(self):
         from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
-        from deepspeed.runtime.zero.param_state import ZeroParamStatus
+        from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 
         net = LeafNet()
         net.custom_flag = "from the model"

@@ -10,7 +10,7 @@ from torch import nn
 
 import deepspeed
 import deepspeed.comm as dist
-from deepspeed.runtime.zero.param_state import ZeroParamStatus
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from tests.unit.common import DistributedTest
 from tests.unit.common import world_size as run_on
 

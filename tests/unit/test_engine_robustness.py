@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import deepspeed
 import deepspeed.comm as dist
-from deepspeed.runtime.zero.param_state import ZeroParamStatus
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from tests.unit.common import DistributedTest
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import deepspeed
 import deepspeed.comm as dist
-from deepspeed.runtime.zero.param_state import ZeroParamStatus
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from tests.unit.common import DistributedTest
 from tests.unit.common import world_size as run_at
 
@@ -140,8 +140,8 @@ class TestGatherMechanics(DistributedTest):
     @run_at(2)
     def test_only_a_partitioned_parameter_pays_the_dispatch(self):
         """A gathered parameter's class disables torch-function dispatch; a partitioned one's
-        intercepts (param_state's note): the class follows the status through every change."""
-        from deepspeed.runtime.zero.param_state import GatheredZeroParameter, ZeroParameter
+        intercepts (parameter.py's note): the class follows the status through every change."""
+        from deepspeed.runtime.zero.parameter import GatheredZeroParameter, ZeroParameter
 
         disabled = torch._C._disabled_torch_function_impl
         with deepspeed.zero.Init():

@@ -12,7 +12,7 @@ from torch import nn
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.runtime.zero import partition_parameters as pp
-from deepspeed.runtime.zero.param_state import ZeroParamStatus, shard_sizes
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus, shard_sizes
 from deepspeed.runtime.zero.patching import ORIGINAL_FACTORIES, originals_in_place
 from tests.unit.common import DistributedTest
 
@@ -325,7 +325,7 @@ class TestInitRemoteDevice(DistributedTest):
         assert init.remote_device == "cpu" and init.pin_memory
         with init:
             layer = nn.Linear(3, 3)
-        from deepspeed.runtime.zero.param_state import ZeroParamType
+        from deepspeed.runtime.zero.lifecycle import ZeroParamType
 
         assert layer.weight.ds_param_type is ZeroParamType.REMOTE
         nvme = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}
@@ -346,7 +346,7 @@ class TestInitRemoteDevice(DistributedTest):
         init.start().stop()
 
     def test_remote_cpu_and_pause(self):
-        from deepspeed.runtime.zero.param_state import ZeroParamType
+        from deepspeed.runtime.zero.lifecycle import ZeroParamType
 
         init = deepspeed.zero.Init(remote_device="cpu", pin_memory=True).start()
         layer = nn.Linear(4, 4)

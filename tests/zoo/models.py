@@ -172,7 +172,7 @@ class DoraLikeModel(nn.Module):
     """A parent that reads its children's weights before (or without) calling them, as peft's
     DoRA does: an identity sized by `down.weight.shape[1]` is run through `down` and `up`, and
     the head's weight is used through `.T`. Under ZeRO-3 the children are partitioned when
-    the parent's forward starts (param_state's note on parameters used outside their module)."""
+    the parent's forward starts (parameter.py's note on parameters used outside their module)."""
 
     def __init__(self) -> None:
         super().__init__()

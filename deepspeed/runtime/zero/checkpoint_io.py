@@ -110,7 +110,7 @@ from deepspeed.runtime.zero.checkpoint_upstream import (
     to_plain,
     upstream_optim_path,
 )
-from deepspeed.runtime.zero.param_state import shard_sizes
+from deepspeed.runtime.zero.lifecycle import shard_sizes
 
 FORMAT = "deepspeed-zero3-sharded"
 FORMAT_VERSION = 2

@@ -26,7 +26,7 @@ fixes which elements each rank holds, so no output layout makes every parameter 
 and one all-gather per parameter costs far more on gloo (about 1 ms each on 2 CPU ranks).
 Every rank issues the same collectives in the same order because parameters are sorted by
 `ds_id`, which is equal on all ranks. State changes go a bucket at a time (see
-param_state.py's bulk transitions).
+lifecycle.py's bulk transitions).
 """
 
 from __future__ import annotations
@@ -38,21 +38,24 @@ from typing import Any, Optional
 import torch
 
 from deepspeed import comm as dist
-from deepspeed.runtime.zero.param_state import (
+from deepspeed.runtime.zero.lifecycle import (
     ZeroParamState,
     ZeroParamStatus,
     all_to_available,
     all_to_inflight,
     all_to_released,
     hold_all,
-    is_zero_param,
     unhold_all,
 )
 
 
 def zero_states(params: Iterable) -> list:
-    """The states of the ZeRO parameters among `params`, de-duplicated and sorted by ds_id."""
-    seen = {(s := p._zero_state).ds_id: s for p in params if is_zero_param(p)}
+    """The states of the ZeRO parameters among `params`, de-duplicated and sorted by ds_id.
+
+    A ZeRO parameter is one that carries a state: parameter.py's `make_zero_param` attaches it
+    as it switches the class, which is what `is_zero_param` tests above this layer.
+    """
+    seen = {s.ds_id: s for p in params if (s := getattr(p, "_zero_state", None)) is not None}
     ids = list(seen)
     if ids == sorted(ids):
         return list(seen.values())  # already in order (a module's parameters usually are)
@@ -500,9 +503,6 @@ class GatherHandle:
             bucket.wait()
         self._buckets = []
 
-    def is_done(self) -> bool:
-        return all(b.done for b in self._buckets)
-
 
 class MultipleAllGatherHandles:
     """Several gather handles waited on as one (upstream's name, for callers that gather in
@@ -516,9 +516,6 @@ class MultipleAllGatherHandles:
     def wait(self, **kwargs: Any) -> None:
         for handle in self.handles:
             handle.wait(**kwargs)
-
-    def is_done(self) -> bool:
-        return all(h.is_done() for h in self.handles if hasattr(h, "is_done"))
 
 
 class _ApiHolds:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed import comm as dist
-from deepspeed.runtime.zero.param_state import ZeroParamState
+from deepspeed.runtime.zero.lifecycle import ZeroParamState
 
 MAX_IN_FLIGHT = 2  # asynchronous reduce-scatters outstanding at once (see [Note: overlap_comm])
 

@@ -93,7 +93,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from deepspeed.runtime.zero import gather
-from deepspeed.runtime.zero.param_state import ACCESS_HOOK, ZeroParamStatus, is_zero_param, zero_params_in
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
+from deepspeed.runtime.zero.parameter import ACCESS_HOOK, is_zero_param, zero_params_in
 from deepspeed.runtime.zero.partition_parameters import (
     external_parameters,
     named_external_parameters,

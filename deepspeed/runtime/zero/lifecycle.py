@@ -1,127 +1,300 @@
-"""The start()/stop() lifecycle tracker shared by `zero.Init` and `zero.GatheredParameters`.
+"""The ZeRO-3 parameter state machine: the status, the per-parameter state, every transition.
 
-[Note: why a tracker object, not flags on the context]
-Both context classes split `__enter__`/`__exit__` into public `start()`/`stop()` so that a
-gathered block can be written once for ZeRO and non-ZeRO runs. Misuse must be loud in a
-plain single-process run too, so the tracker counts even when the context is disabled or
-holds no ZeRO parameter. It holds no reference to its owner: a weak reference's callback on the
-owner can then report an object that was started and dropped without `stop()`.
+NOT_AVAILABLE -> INFLIGHT (skipped by a gather waited on at once) -> AVAILABLE -> NOT_AVAILABLE,
+only through the transitions at the end of this file; gather.py and parameter.py call them.
+
+[Note: shard math]
+For a partition group of size `ws`, a parameter of `numel` elements is padded to a multiple
+of `ws`: `padding = (ws - numel % ws) % ws`, `partition_size = (numel + padding) // ws`.
+Rank `r` owns flat elements `[r * partition_size, (r + 1) * partition_size)`; elements at
+or beyond `numel` are padding (zeros, never read back into the parameter).
+
+[Note: the class follows the status]
+A ZeRO parameter has one class while AVAILABLE and another otherwise (parameter.py says why);
+the transitions switch it with the status. Each state is handed both classes when made.
 """
 
 from __future__ import annotations
 
-import sys
-import warnings
-import weakref
-from typing import Optional
+import enum
+import itertools
+from typing import Any, Optional
+
+import torch
+from torch import nn
 
 
-def _caller_site(skip_files: tuple) -> str:
-    """`file:line in function` of the first frame outside this package's context code.
-
-    A walk over the live frames, which reads no source file: `start()` records this on every
-    call (a `GatheredParameters` in a loop), and `traceback.extract_stack` would cost more
-    than a small gather itself.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if not code.co_filename.endswith(skip_files):
-            return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
-        frame = frame.f_back
-    return "<unknown>"
+class ZeroParamStatus(enum.Enum):
+    AVAILABLE = 1  # the full tensor is in param.data
+    NOT_AVAILABLE = 2  # param.data is empty; only this rank's shard exists
+    INFLIGHT = 3  # an all-gather into param.data was issued and not yet waited on
 
 
-# Frames from these files are skipped when recording where start() was called from.
-_INTERNAL_FILES = ("zero/lifecycle.py", "zero/partition_parameters.py")
+class ZeroParamType(enum.Enum):
+    NORMAL = 1
+    PARTITIONED = 2
+    REMOTE = 3  # the shard lives off the compute device (remote_device="cpu")
 
 
-class _LiveRegistry:
-    """The one owner of the set of started-but-not-stopped trackers (for `live_contexts()`)."""
+def shard_sizes(numel: int, world_size: int) -> tuple:
+    """`(partition_size, padding)` for `numel` elements over `world_size` ranks (see the note)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    padding = (world_size - numel % world_size) % world_size
+    return (numel + padding) // world_size, padding
+
+
+class _IdCounter:
+    """Hands out `ds_id`s; equal on all ranks because construction order is. One owner, resettable."""
 
     def __init__(self) -> None:
-        # id(the tracker's weak reference to its owner) -> tracker; trackers hold no reference to owners
-        self._live: dict = {}
+        self._counter = itertools.count()
 
-    def add(self, tracker: LifecycleTracker) -> None:
-        self._live[id(tracker.owner_ref)] = tracker
-
-    def discard(self, tracker: LifecycleTracker) -> None:
-        self._live.pop(id(tracker.owner_ref), None)
-
-    def pop_for(self, owner_ref: weakref.ref) -> Optional[LifecycleTracker]:
-        """The active tracker whose owner `owner_ref` referred to, now no longer live; None if none is active."""
-        return self._live.pop(id(owner_ref), None)
-
-    def snapshot(self) -> list:
-        return [(t.description, t.start_site) for t in self._live.values()]
+    def next(self) -> int:
+        return next(self._counter)
 
     def reset(self) -> None:
-        self._live.clear()
+        self._counter = itertools.count()
 
 
-_REGISTRY = _LiveRegistry()
+PARAM_IDS = _IdCounter()
 
 
-def live_contexts() -> list:
-    """`(description, where start() was called)` for every started, not yet stopped context.
-
-    A debugging helper: call it where you expect no gather or Init to be active.
-    """
-    return _REGISTRY.snapshot()
+def empty_placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    """A shape-[0] tensor with `tensor`'s dtype and device: a partitioned `param.data`, as upstream leaves it."""
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
-class LifecycleTracker:
-    """idle -> active -> idle; `begin()` and `end()` check the transition and raise on misuse."""
+class ZeroParamState:
+    """Everything ZeRO knows about one parameter. Its status changes only through the transitions below."""
 
-    description: str  # names the owner in messages, e.g. "GatheredParameters(3 params)"
-    active: bool
-    start_site: Optional[str]  # where the current (or last) start() was called from
-    starts: int  # how many times the owner was started, for debugging
-    owner_ref: weakref.ref  # to the owner; the key of this tracker in the registry while active
+    param: nn.Parameter
+    ds_id: int
+    shape: torch.Size
+    numel: int
+    group: Any  # the partition process group (None: the world)
+    world_size: int
+    rank: int  # this process's rank within `group`
+    partition_size: int  # elements per rank, padding included
+    padding: int  # elements added to reach a multiple of world_size
+    shard: torch.Tensor  # 1D, [partition_size], this rank's slice (padding zero-filled)
+    shard_base: torch.Tensor  # 1D contiguous tensor `shard` is a view of (`shard` itself if none)
+    shard_offset: int  # where `shard` starts in `shard_base`, in elements (see gather.py's coalescing note)
+    placeholder: torch.Tensor  # what param.data holds while partitioned (`empty_placeholder`)
+    status: ZeroParamStatus
+    holds: dict  # owner -> holds it took on the gathered tensor (see gather.py's refcount note)
+    persist: bool  # small parameters that stay gathered (stage3_param_persistence_threshold)
+    active_sub_modules: set  # ids of submodules currently running with this parameter
+    pending: Optional[Any]  # the gather bucket that will materialize an INFLIGHT parameter
+    full_buffer: Optional[Any]  # while AVAILABLE from a gather: the buffer its data is a view of (gather.py)
+    param_type: ZeroParamType
+    sanity_checks: bool  # detect edits discarded by a modifier_rank=None gather
+    shard_version: int  # counts write-backs of edits, so the optimizer can refresh its master
+    external_owners: list  # modules this parameter is registered with as external
+    partitioned_class: type  # param's class unless AVAILABLE (see the note)
+    gathered_class: type  # param's class while AVAILABLE
 
-    def __init__(self, owner: object, description: str) -> None:
-        self.description = description
-        self.active = False
-        self.start_site = None
-        self.starts = 0
-        # A weak reference with a module-level callback, not `weakref.finalize` (a registry
-        # entry per object, several times the cost, on every GatheredParameters) nor a bound
-        # method (a cycle through this tracker). While the tracker is active, the registry
-        # keeps it, and so this reference, alive: the callback then fires and reports.
-        self.owner_ref = weakref.ref(owner, _owner_collected)
+    def __init__(
+        self,
+        param: nn.Parameter,
+        group: Any,
+        world_size: int,
+        rank: int,
+        classes: tuple,  # (partitioned_class, gathered_class)
+        remote_device=None,
+        shard_out: Optional[torch.Tensor] = None,
+    ) -> None:
+        self.param = param
+        self.ds_id = PARAM_IDS.next()
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
+        self.partition_size, self.padding = shard_sizes(self.numel, world_size)
+        self._set_shard(self._make_shard(param.data, remote_device, shard_out))
+        self.placeholder = empty_placeholder(param.data)
+        self.status = ZeroParamStatus.AVAILABLE
+        self.holds = {}
+        self.persist = False
+        self.active_sub_modules = set()
+        self.pending = None
+        self.full_buffer = None
+        self.param_type = ZeroParamType.REMOTE if remote_device is not None else ZeroParamType.PARTITIONED
+        self.sanity_checks = False
+        self.external_owners = []
+        self.shard_version = 0  # bumped by every write-back of an edit into the shard
+        self.partitioned_class, self.gathered_class = classes
 
-    def begin(self) -> None:
-        if self.active:
-            raise RuntimeError(
-                f"{self.description}.start() was called while it is already active "
-                f"(started at {self.start_site}); call stop() before starting it again, "
-                "or create a second object"
-            )
-        self.active = True
-        self.starts += 1
-        self.start_site = _caller_site(_INTERNAL_FILES)
-        _REGISTRY.add(self)
+    @classmethod
+    def copy_for(cls, source: ZeroParamState, param: nn.Parameter) -> ZeroParamState:
+        """State for a deep copy of `source`'s parameter: a new ds_id, a cloned shard, partitioned.
+        Deep copies happen in the same order on every rank (`nn.TransformerEncoder` cloning its
+        layer under Init), so the new ds_ids agree across ranks."""
+        state = cls.__new__(cls)
+        state.__dict__.update(source.__dict__)
+        state.param = param
+        state.ds_id = PARAM_IDS.next()
+        state._set_shard(source.shard.clone())
+        state.placeholder = empty_placeholder(source.placeholder)
+        state.status = ZeroParamStatus.NOT_AVAILABLE
+        state.holds = {}
+        state.active_sub_modules = set()
+        state.pending = None
+        state.full_buffer = None
+        state.external_owners = []
+        return state
 
-    def end(self) -> None:
-        if not self.active:
-            never = " (it was never started)" if self.starts == 0 else ""
-            raise RuntimeError(
-                f"{self.description}.stop() was called while it is not active{never}; "
-                "every stop() must follow a start() on the same object"
-            )
-        self.active = False
-        _REGISTRY.discard(self)
+    def _make_shard(
+        self, full: torch.Tensor, remote_device, shard_out: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        if shard_out is None:
+            device = torch.device(remote_device) if remote_device is not None else full.device
+            shard = torch.zeros(self.partition_size, dtype=full.dtype, device=device)
+        else:
+            shard = shard_out  # a zeroed view into a flat buffer shared with sibling parameters
+        self._copy_own_slice(full, shard)
+        return shard
 
+    def _set_shard(self, shard: torch.Tensor) -> None:
+        """Make `shard` the shard, recording which flat tensor it is a view of, and where."""
+        base = shard._base
+        if base is None or base.dim() != 1 or not base.is_contiguous() or not shard.is_contiguous():
+            base = shard
+        self.shard = shard
+        self.shard_base = base
+        self.shard_offset = shard.storage_offset() - base.storage_offset()
 
-def _owner_collected(owner_ref: weakref.ref) -> None:
-    """An owner was garbage-collected: warn if its tracker was still active (started, never stopped)."""
-    tracker = _REGISTRY.pop_for(owner_ref)
-    if tracker is not None:
-        warnings.warn(
-            f"{tracker.description} was started at {tracker.start_site} and garbage-collected "
-            "without stop(); its parameters stay gathered or its patches installed. "
-            "Call stop() (or use a `with` block)",
-            ResourceWarning,
-            stacklevel=2,
+    def own_slice_bounds(self) -> tuple:
+        """`[start, end)` of this rank's real (non-padding) elements in the flat tensor."""
+        start = self.rank * self.partition_size
+        return min(start, self.numel), min(start + self.partition_size, self.numel)
+
+    def _copy_own_slice(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        start, end = self.own_slice_bounds()
+        if end > start:
+            shard[: end - start].copy_(full.reshape(-1)[start:end])
+
+    def write_back(self) -> None:
+        """Copy this rank's slice of the gathered tensor into the shard (has_been_updated=True)."""
+        self._require(ZeroParamStatus.AVAILABLE, "write_back")
+        self._copy_own_slice(self.param.data, self.shard)
+        self.shard_version += 1  # tells the optimizer its fp32 master is stale
+
+    def retype_shard(self, out: torch.Tensor) -> None:
+        """Move the shard into `out` (a zeroed `[partition_size]` tensor of another dtype)."""
+        self._require(ZeroParamStatus.NOT_AVAILABLE, "retype_shard")
+        assert not self.holds, (
+            f"[rank {self.rank}] ds_id={self.ds_id} re-typed while held by {list(self.holds)}"
         )
+        out.copy_(self.shard)
+        self._set_shard(out)
+        self.placeholder = torch.empty(0, dtype=out.dtype, device=self.placeholder.device)
+        with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
+            self.param.data = self.placeholder
+        self.shard_version += 1  # an fp32 master made before this must be rebuilt
+
+    def _require(self, expected: ZeroParamStatus, action: str) -> None:
+        assert self.status is expected, (
+            f"[rank {self.rank}] ds_id={self.ds_id}: {action} needs status {expected.name}, found {self.status.name}"
+        )
+
+    @property
+    def holders(self) -> int:
+        """How many holds are live, over all owners."""
+        return sum(self.holds.values())
+
+    def hold(self, owner: object) -> None:
+        self.holds[owner] = self.holds.get(owner, 0) + 1
+
+    def unhold(self, owner: object) -> bool:
+        """Drop one of `owner`'s holds; True when nobody holds the tensor any more."""
+        count = self.holds.get(owner, 0)
+        assert count > 0, f"[rank {self.rank}] ds_id={self.ds_id} released by {owner!r}, which holds none"
+        if count == 1:
+            del self.holds[owner]
+        else:
+            self.holds[owner] = count - 1
+        return not self.holds
+
+
+# ------------------------------------------------- the transitions [Note: bulk transitions]
+# A gather moves a whole bucket of parameters at once, so on the hot path (every submodule's
+# forward and backward, every GatheredParameters) each transition makes one pass over a list,
+# not one method call per parameter. Each checks every state before it changes any.
+
+
+def hold_all(states: list, owner: object) -> tuple:
+    """One hold for `owner` on each state; returns `(not_available, pending_buckets)` among them."""
+    missing, pending = [], {}
+    for s in states:
+        holds = s.holds
+        holds[owner] = holds.get(owner, 0) + 1
+        status = s.status
+        if status is ZeroParamStatus.NOT_AVAILABLE:
+            missing.append(s)
+        elif status is ZeroParamStatus.INFLIGHT:
+            pending[id(s.pending)] = s.pending
+    return missing, list(pending.values())
+
+
+def unhold_all(states: list, owner: object) -> list:
+    """Drop one of `owner`'s holds on each state; returns those nobody holds any more, persistent ones aside."""
+    unheld = []
+    for s in states:
+        holds = s.holds
+        count = holds.get(owner, 0)
+        if count == 1:
+            del holds[owner]
+            if not holds and not s.persist:
+                unheld.append(s)
+        else:
+            assert count > 0, f"[rank {s.rank}] ds_id={s.ds_id} released by {owner!r}, which holds none"
+            holds[owner] = count - 1
+    return unheld
+
+
+def all_to_inflight(states: list, bucket: Any) -> None:
+    """NOT_AVAILABLE -> INFLIGHT: `bucket` (its `wait()`) will install the gathered tensors."""
+    for s in states:
+        if s.status is not ZeroParamStatus.NOT_AVAILABLE:
+            s._require(ZeroParamStatus.NOT_AVAILABLE, "to_inflight")
+    for s in states:
+        s.pending = bucket
+        s.status = ZeroParamStatus.INFLIGHT
+
+
+def all_to_available(
+    states: list, fulls: list, buffers: list, expected: ZeroParamStatus = ZeroParamStatus.INFLIGHT
+) -> None:
+    """`expected` -> AVAILABLE: install each gathered tensor (shape `state.shape`) as its parameter's data.
+    `buffers[i]` is what `fulls[i]`'s memory belongs to, kept in `full_buffer` (see gather.py).
+    `expected` is NOT_AVAILABLE for a gather its caller waited on at once (never INFLIGHT)."""
+    available = ZeroParamStatus.AVAILABLE
+    for s in states:
+        if s.status is not expected:
+            s._require(expected, "to_available")
+    with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
+        for s, full, buffer in zip(states, fulls, buffers):
+            s.param.data = full
+            s.param.__class__ = s.gathered_class  # [Note: the class follows the status]
+            s.full_buffer = buffer
+            s.pending = None
+            s.status = available
+
+
+def all_to_released(states: list) -> list:
+    """AVAILABLE and unheld -> NOT_AVAILABLE: free the gathered tensors. Returns their `full_buffer`s, now cleared."""
+    available, released = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
+    for s in states:
+        if s.status is not available or s.holds:
+            s._require(available, "to_released")
+            assert not s.holds, f"[rank {s.rank}] ds_id={s.ds_id} released while held by {list(s.holds)}"
+    buffers = [s.full_buffer for s in states]
+    with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
+        for s in states:
+            s.param.data = s.placeholder
+            s.param.__class__ = s.partitioned_class
+            s.full_buffer = None
+            s.status = released
+    return buffers

@@ -29,7 +29,8 @@ import functools
 import torch
 from torch import nn
 
-from deepspeed.runtime.zero.param_state import ACCESS_HOOK, ZeroParamStatus, is_zero_param
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
+from deepspeed.runtime.zero.parameter import ACCESS_HOOK, is_zero_param
 
 # Set (to True, in the module's __dict__) on modules built under
 # `zero.Init(mem_efficient_linear=False)`: `route_linears` leaves them on torch's forward.

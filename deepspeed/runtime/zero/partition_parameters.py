@@ -9,7 +9,7 @@ code write a gathered block once for ZeRO-3 and plain runs:
     new.weight.data[:n] = old.weight.data[:n]
     gather.stop()
 
-A per-instance `LifecycleTracker` makes unbalanced calls raise even when `enabled=False`.
+A per-instance `StartStopTracker` makes unbalanced calls raise even when `enabled=False`.
 
 This module also keeps the upstream names clients import: `ZeroParamStatus`,
 `zero_wrapper_for_fp_tensor_constructor` (looked up here by name each time an Init starts,
@@ -32,16 +32,9 @@ from deepspeed.accelerator import get_accelerator  # noqa: F401 - an upstream na
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.gather import MultipleAllGatherHandles  # noqa: F401 - upstream name
-from deepspeed.runtime.zero.lifecycle import LifecycleTracker, live_contexts
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus, ZeroParamType, shard_sizes
 from deepspeed.runtime.zero.linear import TORCH_LINEAR_MARK
-from deepspeed.runtime.zero.param_state import (
-    IN_PLACE_INIT,
-    ZeroParameter,
-    ZeroParamStatus,
-    ZeroParamType,
-    is_zero_param,
-    make_zero_param,
-)
+from deepspeed.runtime.zero.parameter import IN_PLACE_INIT, ZeroParameter, is_zero_param, make_zero_param
 from deepspeed.runtime.zero.patching import (  # noqa: F401 - upstream names, re-exported
     PATCHES,
     _orig_torch_arange,
@@ -54,6 +47,7 @@ from deepspeed.runtime.zero.patching import (  # noqa: F401 - upstream names, re
     _orig_torch_zeros,
     zero_wrapper_for_fp_tensor_constructor,
 )
+from deepspeed.runtime.zero.start_stop import StartStopTracker, live_contexts
 
 __all__ = [
     "GatheredParameters",
@@ -317,8 +311,6 @@ def _flat_shard_views(params: list, settings: _InitSettings, accelerator) -> lis
     A module's shards then sit next to each other, so gathering the module (what the engine
     does) feeds the all-gather a view instead of concatenating (see gather.py).
     """
-    from deepspeed.runtime.zero.param_state import shard_sizes
-
     device = torch.device(settings.remote_device) if settings.remote_device else settings.device
     sizes = [shard_sizes(p.numel(), settings.world_size)[0] for p in params]
     views: list = [None] * len(params)
@@ -379,7 +371,7 @@ def _gathered_apply(module: nn.Module, fn) -> nn.Module:
 
 
 def _gathered_in_place(param: ZeroParameter, func, args: tuple, kwargs: dict) -> Any:
-    """An in-place op on a partitioned parameter while Init is active (see param_state's note).
+    """An in-place op on a partitioned parameter while Init is active (see parameter.py's note).
 
     Every rank runs it, keeping RNG streams in step with a plain run; rank 0's result is kept.
     """
@@ -453,7 +445,7 @@ class Init:
         self.sanity_checks = bool(zero.enable_sanity_checks) if zero is not None else False
         self.override_module_apply = bool(zero.override_module_apply) if zero is not None else True
         self.group = self._choose_group(data_parallel_group, mpu, sequence_data_parallel_group)
-        self._tracker = LifecycleTracker(self, self._describe())
+        self._tracker = StartStopTracker(self, self._describe())
         if module is not None and enabled:
             self._convert_existing(module)
 
@@ -531,7 +523,7 @@ class GatherHold:
 
     The parameters' hold tables refer to this object, not to the `GatheredParameters`, so one
     that is started and dropped without `stop()` can still be garbage-collected and reported
-    (a `ResourceWarning` naming where it started, see lifecycle.py). Its parameters then stay
+    (a `ResourceWarning` naming where it started, see start_stop.py). Its parameters then stay
     gathered, held by this object, and the engine keeps writing back a `modifier_rank`'s edits
     at each step, exactly as while the dropped object was alive.
     """
@@ -581,7 +573,7 @@ class GatheredParameters:
                 for s in self._states:
                     register_external_parameter(fwd_module, s.param)
         description = self._describe()
-        self._tracker = LifecycleTracker(self, description)
+        self._tracker = StartStopTracker(self, description)
         self._hold = GatherHold(self._states, modifier_rank, description)  # see GatherHold
 
     def _describe(self) -> str:

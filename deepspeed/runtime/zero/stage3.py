@@ -55,7 +55,8 @@ from deepspeed.runtime.zero.estimators import (  # noqa: F401 - upstream's impor
     estimate_zero3_model_states_mem_needs_all_cold,
     estimate_zero3_model_states_mem_needs_all_live,
 )
-from deepspeed.runtime.zero.param_state import ZeroParamState, is_zero_param
+from deepspeed.runtime.zero.lifecycle import ZeroParamState
+from deepspeed.runtime.zero.parameter import is_zero_param
 from deepspeed.runtime.zero.utils import ZeROOffloadOptimizerError
 
 # Keys of the config's optimizer params that choose the optimizer rather than configure it:

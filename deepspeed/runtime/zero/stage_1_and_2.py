@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from deepspeed import comm as dist
-from deepspeed.runtime.zero.param_state import ZeroParamStatus, shard_sizes
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus, shard_sizes
 from deepspeed.runtime.zero.stage3 import ZeroStage3Optimizer
 
 
@@ -260,7 +260,7 @@ def unpartition(module: nn.Module) -> list:
     parameter groups built from `model.parameters()` still name it. Returns their names.
     """
     from deepspeed.runtime.zero import gather
-    from deepspeed.runtime.zero.param_state import is_zero_param
+    from deepspeed.runtime.zero.parameter import is_zero_param
 
     named = [(n, p) for n, p in module.named_parameters() if is_zero_param(p)]
     if not named:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepspeed.runtime.zero.param_state import is_zero_param  # noqa: F401 - upstream's import path
+from deepspeed.runtime.zero.parameter import is_zero_param  # noqa: F401 - upstream's import path
 
 
 class ZeRORuntimeException(Exception):

@@ -1,10 +1,8 @@
-"""One object owns each ZeRO-3 parameter's state; the upstream `ds_*` attributes are views over it.
+"""`ZeroParameter`: a ZeRO-3 parameter as callers see it, and the interception of torch functions on it.
 
-[Note: shard math]
-For a partition group of size `ws`, a parameter of `numel` elements is padded to a multiple
-of `ws`: `padding = (ws - numel % ws) % ws`, `partition_size = (numel + padding) // ws`.
-Rank `r` owns flat elements `[r * partition_size, (r + 1) * partition_size)`; elements at
-or beyond `numel` are padding (zeros, never read back into the parameter).
+The state it shows lives in lifecycle.py; gathering in gather.py. Above both sit upstream's
+parameter API (`param.all_gather()`, `partition()`, `ds_summary()`, the `ds_*` attributes) and
+`__torch_function__`, which serves Init's in-place hook and the engine's access hook.
 
 [Note: why a Parameter subclass]
 Callers read `param.ds_status`, `param.ds_tensor`, ... and call `param.all_gather()`.
@@ -18,55 +16,21 @@ parameter, only to serve a partitioned or in-flight one: Init's in-place hook, t
 hook, shape queries answered from the full shape. A gathered parameter needs none of that,
 so while its status is AVAILABLE its class is `GatheredZeroParameter`, which disables the
 dispatch exactly as `nn.Parameter` does (torch then never calls into Python). The status
-transitions switch the class with the status: `make_zero_param`, `all_to_available`,
-`all_to_released`. On a GPU, where a step's kernels are fast, a forward through a gathered
-model paid this dispatch on every operation that read a weight.
+transitions (lifecycle.py) switch the class with the status; `make_zero_param` hands them
+both classes. On a GPU, where a step's kernels are fast, a forward through a gathered model
+paid this dispatch on every operation that read a weight.
 """
 
 from __future__ import annotations
 
-import enum
-import itertools
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-
-class ZeroParamStatus(enum.Enum):
-    AVAILABLE = 1  # the full tensor is in param.data
-    NOT_AVAILABLE = 2  # param.data is empty; only this rank's shard exists
-    INFLIGHT = 3  # an all-gather into param.data was issued and not yet waited on
-
-
-class ZeroParamType(enum.Enum):
-    NORMAL = 1
-    PARTITIONED = 2
-    REMOTE = 3  # the shard lives off the compute device (remote_device="cpu")
-
-
-def shard_sizes(numel: int, world_size: int) -> tuple:
-    """`(partition_size, padding)` for `numel` elements over `world_size` ranks (see the note)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    padding = (world_size - numel % world_size) % world_size
-    return (numel + padding) // world_size, padding
-
-
-class _IdCounter:
-    """Hands out `ds_id`s; equal on all ranks because construction order is. One owner, resettable."""
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def next(self) -> int:
-        return next(self._counter)
-
-    def reset(self) -> None:
-        self._counter = itertools.count()
-
-
-PARAM_IDS = _IdCounter()
+from deepspeed import comm as dist
+from deepspeed.runtime.zero import gather
+from deepspeed.runtime.zero.lifecycle import ZeroParamState, ZeroParamStatus, ZeroParamType, empty_placeholder
 
 
 class _InPlaceInitHook:
@@ -152,272 +116,6 @@ class _AccessHook:
 
 
 ACCESS_HOOK = _AccessHook()
-
-
-def _empty_like_data(param: torch.Tensor) -> torch.Tensor:
-    # A shape-[0] placeholder with the parameter's dtype and device, as upstream leaves it.
-    return torch.empty(0, dtype=param.dtype, device=param.device)
-
-
-class ZeroParamState:
-    """Everything ZeRO knows about one parameter. Status changes only through the `to_*` methods."""
-
-    param: nn.Parameter
-    ds_id: int
-    shape: torch.Size
-    numel: int
-    group: Any  # the partition process group (None: the world)
-    world_size: int
-    rank: int  # this process's rank within `group`
-    partition_size: int  # elements per rank, padding included
-    padding: int  # elements added to reach a multiple of world_size
-    shard: torch.Tensor  # 1D, [partition_size], this rank's slice (padding zero-filled)
-    shard_base: torch.Tensor  # 1D contiguous tensor `shard` is a view of (`shard` itself if none)
-    shard_offset: int  # where `shard` starts in `shard_base`, in elements (see gather.py's coalescing note)
-    status: ZeroParamStatus
-    holds: dict  # owner -> holds it took on the gathered tensor (see gather.py's refcount note)
-    persist: bool  # small parameters that stay gathered (stage3_param_persistence_threshold)
-    active_sub_modules: set  # ids of submodules currently running with this parameter
-    pending: Optional[Any]  # the gather bucket that will materialize an INFLIGHT parameter
-    full_buffer: Optional[Any]  # while AVAILABLE from a gather: the buffer its data is a view of (gather.py)
-    param_type: ZeroParamType
-    sanity_checks: bool  # detect edits discarded by a modifier_rank=None gather
-    shard_version: int  # counts write-backs of edits, so the optimizer can refresh its master
-    external_owners: list  # modules this parameter is registered with as external
-
-    def __init__(
-        self,
-        param: nn.Parameter,
-        group: Any,
-        world_size: int,
-        rank: int,
-        remote_device=None,
-        shard_out: Optional[torch.Tensor] = None,
-    ) -> None:
-        self.param = param
-        self.ds_id = PARAM_IDS.next()
-        self.shape = param.shape
-        self.numel = param.numel()
-        self.group = group
-        self.world_size = world_size
-        self.rank = rank
-        self.partition_size, self.padding = shard_sizes(self.numel, world_size)
-        self._set_shard(self._make_shard(param.data, remote_device, shard_out))
-        # What param.data holds while partitioned: shape [0], the parameter's dtype and device.
-        self.placeholder = _empty_like_data(param.data)
-        self.status = ZeroParamStatus.AVAILABLE
-        self.holds = {}
-        self.persist = False
-        self.active_sub_modules = set()
-        self.pending = None
-        self.full_buffer = None
-        self.param_type = ZeroParamType.REMOTE if remote_device is not None else ZeroParamType.PARTITIONED
-        self.sanity_checks = False
-        self.external_owners = []
-        self.shard_version = 0  # bumped by every write-back of an edit into the shard
-
-    @classmethod
-    def copy_for(cls, source: ZeroParamState, param: nn.Parameter) -> ZeroParamState:
-        """State for a deep copy of `source`'s parameter: a new ds_id, a cloned shard, partitioned.
-
-        Deep copies happen in the same order on every rank (e.g. `nn.TransformerEncoder`
-        cloning its layer under Init), so the new ds_ids agree across ranks.
-        """
-        state = cls.__new__(cls)
-        state.__dict__.update(source.__dict__)
-        state.param = param
-        state.ds_id = PARAM_IDS.next()
-        state._set_shard(source.shard.clone())
-        state.placeholder = _empty_like_data(source.placeholder)
-        state.status = ZeroParamStatus.NOT_AVAILABLE
-        state.holds = {}
-        state.active_sub_modules = set()
-        state.pending = None
-        state.full_buffer = None
-        state.external_owners = []
-        return state
-
-    # ------------------------------------------------------------------ shard I/O
-
-    def _make_shard(
-        self, full: torch.Tensor, remote_device, shard_out: Optional[torch.Tensor]
-    ) -> torch.Tensor:
-        if shard_out is None:
-            device = torch.device(remote_device) if remote_device is not None else full.device
-            shard = torch.zeros(self.partition_size, dtype=full.dtype, device=device)
-        else:
-            shard = shard_out  # a zeroed view into a flat buffer shared with sibling parameters
-        self._copy_own_slice(full, shard)
-        return shard
-
-    def _set_shard(self, shard: torch.Tensor) -> None:
-        """Make `shard` the shard, recording which flat tensor it is a view of, and where."""
-        base = shard._base
-        if base is None or base.dim() != 1 or not base.is_contiguous() or not shard.is_contiguous():
-            base = shard
-        self.shard = shard
-        self.shard_base = base
-        self.shard_offset = shard.storage_offset() - base.storage_offset()
-
-    def own_slice_bounds(self) -> tuple:
-        """`[start, end)` of this rank's real (non-padding) elements in the flat tensor."""
-        start = self.rank * self.partition_size
-        return min(start, self.numel), min(start + self.partition_size, self.numel)
-
-    def _copy_own_slice(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        start, end = self.own_slice_bounds()
-        if end > start:
-            shard[: end - start].copy_(full.reshape(-1)[start:end])
-
-    def write_back(self) -> None:
-        """Copy this rank's slice of the gathered tensor into the shard (has_been_updated=True)."""
-        self._require(ZeroParamStatus.AVAILABLE, "write_back")
-        self._copy_own_slice(self.param.data, self.shard)
-        self.shard_version += 1  # tells the optimizer its fp32 master is stale
-
-    def retype_shard(self, out: torch.Tensor) -> None:
-        """Move the shard into `out` (a zeroed `[partition_size]` tensor of another dtype)."""
-        self._require(ZeroParamStatus.NOT_AVAILABLE, "retype_shard")
-        assert not self.holds, (
-            f"[rank {self.rank}] ds_id={self.ds_id} re-typed while held by {list(self.holds)}"
-        )
-        out.copy_(self.shard)
-        self._set_shard(out)
-        self.placeholder = torch.empty(0, dtype=out.dtype, device=self.placeholder.device)
-        with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
-            self.param.data = self.placeholder
-        self.shard_version += 1  # an fp32 master made before this must be rebuilt
-
-    # ------------------------------------------------------------------ status transitions
-
-    def _require(self, expected: ZeroParamStatus, action: str) -> None:
-        assert self.status is expected, (
-            f"[rank {self.rank}] ds_id={self.ds_id}: {action} needs status {expected.name}, found {self.status.name}"
-        )
-
-    # ------------------------------------------------------------------ holders
-
-    @property
-    def holders(self) -> int:
-        """How many holds are live, over all owners."""
-        return sum(self.holds.values())
-
-    def hold(self, owner: object) -> None:
-        self.holds[owner] = self.holds.get(owner, 0) + 1
-
-    def unhold(self, owner: object) -> bool:
-        """Drop one of `owner`'s holds; True when nobody holds the tensor any more."""
-        count = self.holds.get(owner, 0)
-        assert count > 0, f"[rank {self.rank}] ds_id={self.ds_id} released by {owner!r}, which holds none"
-        if count == 1:
-            del self.holds[owner]
-        else:
-            self.holds[owner] = count - 1
-        return not self.holds
-
-    def summary(self) -> dict:
-        return {
-            "id": self.ds_id,
-            "status": self.status.name,
-            "numel": self.numel,
-            "ds_numel": self.numel,
-            "shape": tuple(self.shape),
-            "ds_shape": tuple(self.shape),
-            "requires_grad": self.param.requires_grad,
-            "grad_shape": tuple(self.param.grad.shape) if self.param.grad is not None else None,
-            "persist": self.persist,
-            "active_sub_modules": sorted(self.active_sub_modules),
-            "holders": self.holders,
-            "held_by": [repr(owner) for owner in self.holds],
-            "partition_size": self.partition_size,
-            "padding": self.padding,
-        }
-
-
-# ---------------------------------------------------------------------- bulk transitions
-# [Note: bulk transitions]
-# A gather moves a whole bucket of parameters at once, so the hot path (every submodule's
-# forward and backward, every GatheredParameters) does these in one pass per list instead of
-# one method call per parameter. Each does what the per-state method of the same name does,
-# checking the same precondition on every state before it changes any.
-
-
-def hold_all(states: list, owner: object) -> tuple:
-    """One hold for `owner` on each state; returns `(not_available, pending_buckets)` among them."""
-    missing, pending = [], {}
-    for s in states:
-        holds = s.holds
-        holds[owner] = holds.get(owner, 0) + 1
-        status = s.status
-        if status is ZeroParamStatus.NOT_AVAILABLE:
-            missing.append(s)
-        elif status is ZeroParamStatus.INFLIGHT:
-            pending[id(s.pending)] = s.pending
-    return missing, list(pending.values())
-
-
-def unhold_all(states: list, owner: object) -> list:
-    """Drop one of `owner`'s holds on each state; returns those nobody holds any more, persistent ones aside."""
-    unheld = []
-    for s in states:
-        holds = s.holds
-        count = holds.get(owner, 0)
-        if count == 1:
-            del holds[owner]
-            if not holds and not s.persist:
-                unheld.append(s)
-        else:
-            assert count > 0, f"[rank {s.rank}] ds_id={s.ds_id} released by {owner!r}, which holds none"
-            holds[owner] = count - 1
-    return unheld
-
-
-def all_to_inflight(states: list, bucket: Any) -> None:
-    for s in states:
-        if s.status is not ZeroParamStatus.NOT_AVAILABLE:
-            s._require(ZeroParamStatus.NOT_AVAILABLE, "to_inflight")
-    for s in states:
-        s.pending = bucket
-        s.status = ZeroParamStatus.INFLIGHT
-
-
-def all_to_available(
-    states: list, fulls: list, buffers: list, expected: ZeroParamStatus = ZeroParamStatus.INFLIGHT
-) -> None:
-    """Install each gathered tensor (shape `state.shape`) as its parameter's data.
-
-    `buffers[i]` is what `fulls[i]`'s memory belongs to, kept in `full_buffer` (see gather.py).
-    `expected` is NOT_AVAILABLE for a gather its caller waited on at once (never INFLIGHT).
-    """
-    available = ZeroParamStatus.AVAILABLE
-    for s in states:
-        if s.status is not expected:
-            s._require(expected, "to_available")
-    with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
-        for s, full, buffer in zip(states, fulls, buffers):
-            s.param.data = full
-            s.param.__class__ = GatheredZeroParameter  # [Note: a gathered parameter skips the dispatch]
-            s.full_buffer = buffer
-            s.pending = None
-            s.status = available
-
-
-def all_to_released(states: list) -> list:
-    """Free the gathered tensors; only the shards remain. Returns their `full_buffer`s, now cleared."""
-    available, released = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
-    for s in states:
-        if s.status is not available or s.holds:
-            s._require(available, "to_released")
-            assert not s.holds, f"[rank {s.rank}] ds_id={s.ds_id} released while held by {list(s.holds)}"
-    buffers = [s.full_buffer for s in states]
-    with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
-        for s in states:
-            s.param.data = s.placeholder
-            s.param.__class__ = ZeroParameter
-            s.full_buffer = None
-            s.status = released
-    return buffers
-
 
 _NOT_INTERCEPTED = object()
 
@@ -543,8 +241,6 @@ class ZeroParameter(nn.Parameter):
         state = self._zero_state
         state.persist = bool(value)
         if not state.persist and state.status is ZeroParamStatus.AVAILABLE and not state.holds:
-            from deepspeed.runtime.zero import gather
-
             gather.release_unheld([state])
 
     @property
@@ -553,8 +249,6 @@ class ZeroParameter(nn.Parameter):
         as upstream's attribute holds it (`p.ds_process_group == dist.get_world_group()`)."""
         group = self._zero_state.group
         if group is None:
-            from deepspeed import comm as dist
-
             group = dist.get_world_group()
         return group
 
@@ -573,13 +267,27 @@ class ZeroParameter(nn.Parameter):
         return self._zero_state.padding
 
     def ds_summary(self) -> dict:
-        return self._zero_state.summary()
+        state = self._zero_state
+        return {
+            "id": state.ds_id,
+            "status": state.status.name,
+            "numel": state.numel,
+            "ds_numel": state.numel,
+            "shape": tuple(state.shape),
+            "ds_shape": tuple(state.shape),
+            "requires_grad": state.param.requires_grad,
+            "grad_shape": tuple(state.param.grad.shape) if state.param.grad is not None else None,
+            "persist": state.persist,
+            "active_sub_modules": sorted(state.active_sub_modules),
+            "holders": state.holders,
+            "held_by": [repr(owner) for owner in state.holds],
+            "partition_size": state.partition_size,
+            "padding": state.padding,
+        }
 
     def all_gather(self, param_list: Optional[list] = None, async_op: bool = False):
         """Gather `param_list` (default: this parameter) until `partition()`; as upstream, a
         parameter gathered this way already stays gathered once, not once per call."""
-        from deepspeed.runtime.zero import gather
-
         handle = gather.fetch_once(param_list or [self], gather.PARAM_API, async_op=True)
         if async_op:
             return handle
@@ -591,8 +299,6 @@ class ZeroParameter(nn.Parameter):
         upstream's `param.item()` is (a collective then: every rank of its group calls it)."""
         if self._zero_state.status is ZeroParamStatus.AVAILABLE:
             return super().item()
-        from deepspeed.runtime.zero import gather
-
         holder = _ItemRead()
         gather.fetch([self], holder)
         try:
@@ -605,8 +311,6 @@ class ZeroParameter(nn.Parameter):
         del safe_mode  # a debugging aid upstream; our state transitions always check themselves
         if quantize:
             raise ValueError("all_gather_coalesced(quantize=True): quantized gathers are not supported")
-        from deepspeed.runtime.zero import gather
-
         return gather.fetch_once(params, gather.PARAM_API, async_op=True)
 
     def partition(
@@ -625,8 +329,6 @@ class ZeroParameter(nn.Parameter):
                 "partition(free_data=False) is not supported: releasing the last hold frees the gathered "
                 "tensor; to keep it, keep the hold (do not call partition() yet, or use GatheredParameters)"
             )
-        from deepspeed.runtime.zero import gather
-
         gather.release_api_holds(param_list or [self], has_been_updated=has_been_updated)
 
     def __repr__(self) -> str:
@@ -636,7 +338,7 @@ class ZeroParameter(nn.Parameter):
     def __deepcopy__(self, memo: dict) -> ZeroParameter:
         if id(self) in memo:
             return memo[id(self)]
-        copy = nn.Parameter(_empty_like_data(self), requires_grad=self.requires_grad)
+        copy = nn.Parameter(empty_placeholder(self), requires_grad=self.requires_grad)
         copy.__class__ = ZeroParameter
         copy._zero_state = ZeroParamState.copy_for(self._zero_state, copy)
         memo[id(self)] = copy
@@ -659,6 +361,7 @@ class GatheredZeroParameter(ZeroParameter):
 # `nn.Parameter` subclass calls torch's metaclass `__instancecheck__` in Python, about 1 us,
 # and the hooks ask this for every parameter of every submodule in every pass.
 _ZERO_PARAM_TYPES = frozenset((ZeroParameter, GatheredZeroParameter))
+_CLASSES = (ZeroParameter, GatheredZeroParameter)  # (partitioned, gathered): what each state switches between
 
 
 def is_zero_param(tensor: Any) -> bool:
@@ -677,7 +380,7 @@ def make_zero_param(
 
     `shard_out`, when given, is a zeroed `[partition_size]` tensor to hold the shard.
     """
-    state = ZeroParamState(param, group, world_size, rank, remote_device, shard_out)
+    state = ZeroParamState(param, group, world_size, rank, _CLASSES, remote_device, shard_out)
     param.__class__ = GatheredZeroParameter  # its status starts AVAILABLE
     param._zero_state = state
     return param
