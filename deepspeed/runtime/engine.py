@@ -21,8 +21,8 @@ from torch import nn
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.checkpoint.engine_methods import CheckpointMethods
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
-from deepspeed.runtime.checkpointing import CheckpointMixin
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.forward_prologue import forward_prologue, report_progress
 from deepspeed.runtime.host_malloc import keep_freed_memory_for_reuse
@@ -65,7 +65,7 @@ def _train_dtype(config: DeepSpeedConfig) -> torch.dtype:
     return torch.float32
 
 
-class DeepSpeedEngine(CheckpointMixin, nn.Module):
+class DeepSpeedEngine(CheckpointMethods, nn.Module):
     """What `deepspeed.initialize` returns: call it like the model, then `backward` and `step`."""
 
     def __init__(
@@ -1067,3 +1067,75 @@ class DeepSpeedEngine(CheckpointMixin, nn.Module):
             yield
         finally:
             self._inside_no_sync = False
+
+    # ================================================================== checkpoint interface
+    # `deepspeed.checkpoint.interface.CheckpointEngine`: all that the checkpoint code reads or
+    # changes of an engine. The public checkpoint methods come from `CheckpointMethods`.
+
+    def checkpoint_module(self) -> nn.Module:
+        return self.module
+
+    def checkpoint_shard_of(self, param: nn.Parameter) -> Any:
+        return self._shard_state_of(param)
+
+    def checkpoint_optimizer(self) -> Optional[ZeroStage3Optimizer]:
+        return self.optimizer
+
+    def checkpoint_lr_scheduler(self) -> Any:
+        return self.lr_scheduler
+
+    def checkpoint_rank_and_world(self) -> tuple:
+        if not dist.is_initialized():
+            return 0, 1
+        return dist.get_rank(), dist.get_world_size()  # model parallelism is refused: dp is the world
+
+    def checkpoint_record(self) -> dict:
+        return {"zero_stage": self.zero_optimization_stage(), "dtype": self.dtype, "ds_config": self.config}
+
+    def checkpoint_counters(self) -> dict:
+        return {
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "skipped_steps": self.skipped_steps,
+            "micro_steps": self.micro_steps,
+        }
+
+    def restore_checkpoint_counters(self, global_steps: int, global_samples: int, skipped_steps: int) -> None:
+        self.global_steps, self.global_samples = global_steps, global_samples
+        if self.optimizer is not None:  # the engine's skipped_steps is the optimizer's count
+            self.optimizer.skipped_steps = skipped_steps
+
+    def restart_accumulation(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        self.micro_steps = 0
+
+    def settle_before_save(self) -> None:
+        self._settle_live_gathers()
+        if self.optimizer is not None:
+            # An edit written back since the last step is in the shard, not yet in a 16-bit
+            # training's fp32 master, which is what the files (and zero_to_fp32) hold.
+            self.optimizer.refresh_edited_masters()
+
+    def refresh_after_load(self) -> None:
+        self._refresh_full_params(after_load=True)
+
+    def saves_16bit_weights(self) -> bool:
+        return not self.partitions_weights or self.zero_gather_16bit_weights_on_model_save()
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's `zero_optimization.stage3_gather_16bit_weights_on_model_save`."""
+        return bool(self._config.zero_config.gather_16bit_weights_on_model_save)
+
+    def loads_in_turns(self) -> bool:
+        if not self._config.zero_config.pipeline_loading_checkpoint:
+            return False
+        if self.zero_optimization_stage() != 3:
+            raise ValueError(
+                "zero_optimization.pipeline_loading_checkpoint loads rank by rank at stage 3 only, as "
+                f"upstream; this engine runs stage {self.zero_optimization_stage()}: remove the key"
+            )
+        return True
+
+    def publishes_on_every_node(self) -> bool:
+        return bool(self._config.use_node_local_storage)

@@ -96,7 +96,7 @@ def with_frozen_weights(name: str, consolidated: dict) -> dict:
     """
     if "norm.weight" in consolidated or saved_stage(name) == 3:
         return consolidated
-    from deepspeed.runtime.zero.checkpoint_io import load_checkpoint_file
+    from deepspeed.checkpoint.safe_load import load_checkpoint_file
 
     fx = fixture_module()
     model_sd = load_checkpoint_file(os.path.join(FIXTURES, name, fx.TAG, "mp_rank_00_model_states.pt"))
@@ -119,11 +119,11 @@ def check_loaded(engine, ref: dict, name: str, client_state: dict, fx) -> None:
 
 def saved_moments(name: str, fx) -> tuple:
     """`(trainable names, {name: {exp_avg, exp_avg_sq}}, step, hyperparameters)` read straight
-    from upstream's rank files by `param_shapes` order (the flat layouts of checkpoint_upstream.py's
+    from upstream's rank files by `param_shapes` order (the flat layouts of upstream.py's
     notes): stage 3 concatenates each parameter's shard per rank; stages 0-2 cut the group's
     flat vector, whose equal parts the ranks hold, parameter after parameter."""
-    from deepspeed.runtime.zero.checkpoint_io import load_checkpoint_file
-    from deepspeed.runtime.zero.checkpoint_upstream import upstream_optim_path
+    from deepspeed.checkpoint.safe_load import load_checkpoint_file
+    from deepspeed.checkpoint.upstream import upstream_optim_path
 
     tag_dir = os.path.join(FIXTURES, name, fx.TAG)
     ranks = saving_ranks(name)
@@ -256,7 +256,7 @@ def test_zero_to_fp32_reads_upstream_folders(name, tmp_path):
 
 
 def test_upstream_pickled_classes_load_as_plain_data():
-    from deepspeed.runtime.zero.checkpoint_io import load_checkpoint_file
+    from deepspeed.checkpoint.safe_load import load_checkpoint_file
 
     tag_dir = os.path.join(FIXTURES, "bf16_ws2", "global_step3")
     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(
@@ -283,7 +283,7 @@ def test_a_planted_upstream_file_is_refused_by_the_same_allowlist(tmp_path):
     """Upstream's LossScaler / ZeroStageEnum pass as plain data; anything else is refused, unrun."""
     import shutil
 
-    from deepspeed.runtime.zero.checkpoint_io import UnsafeCheckpointError
+    from deepspeed.checkpoint.errors import UnsafeCheckpointError
     from deepspeed.utils import zero_to_fp32
 
     folder = tmp_path / "bf16_ws2"
@@ -303,7 +303,8 @@ def test_a_planted_upstream_file_is_refused_by_the_same_allowlist(tmp_path):
 
 
 def test_a_stage_2_or_foreign_file_is_refused_by_name(tmp_path):
-    from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ShardedCheckpoint
+    from deepspeed.checkpoint.errors import CheckpointError
+    from deepspeed.checkpoint.sharded import ShardedCheckpoint
 
     tag = tmp_path / "t"
     tag.mkdir()
@@ -315,8 +316,8 @@ def test_a_stage_2_or_foreign_file_is_refused_by_name(tmp_path):
 @pytest.mark.parametrize("name", ["fp32_ws2", "fp32_ws2_stage1"])
 def test_upstream_counters_come_across(name):
     """Upstream's `skipped_steps` (fp16 overflows) is the engine's count after a load, at every stage."""
-    from deepspeed.runtime.zero.checkpoint_io import load_checkpoint_file
-    from deepspeed.runtime.zero.checkpoint_upstream import (
+    from deepspeed.checkpoint.safe_load import load_checkpoint_file
+    from deepspeed.checkpoint.upstream import (
         normalize_upstream,
         stage_0_to_2_as_stage_3,
         upstream_optim_path,
@@ -344,8 +345,8 @@ def test_upstream_counters_come_across(name):
 def test_round_robin_saves_are_read_in_the_recorded_order():
     """Upstream writes `param_shapes` and the alignment paddings in the flat (round-robin) order, so
     a save made with `round_robin_gradients` reads like any other (as upstream's zero_to_fp32 does)."""
-    from deepspeed.runtime.zero.checkpoint_io import load_checkpoint_file
-    from deepspeed.runtime.zero.checkpoint_upstream import stage_0_to_2_as_stage_3, upstream_optim_path
+    from deepspeed.checkpoint.safe_load import load_checkpoint_file
+    from deepspeed.checkpoint.upstream import stage_0_to_2_as_stage_3, upstream_optim_path
 
     fx = fixture_module()
     tag = os.path.join(FIXTURES, "fp32_ws2_stage1", fx.TAG)
@@ -357,7 +358,8 @@ def test_round_robin_saves_are_read_in_the_recorded_order():
 
 
 def test_an_upstream_stage_0_save_is_named(tmp_path):
-    from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ShardedCheckpoint
+    from deepspeed.checkpoint.errors import CheckpointError
+    from deepspeed.checkpoint.sharded import ShardedCheckpoint
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     # Upstream's stage 0: one file with the whole module and torch optimizer state, no ZeRO files.
@@ -387,7 +389,8 @@ def test_zero_to_fp32_takes_an_upstream_stage_0_to_2_tag_folder():
 def test_an_upstream_stage_0_to_2_folder_missing_a_rank_names_it(tmp_path):
     import shutil
 
-    from deepspeed.runtime.zero.checkpoint_io import CheckpointError, ShardedCheckpoint
+    from deepspeed.checkpoint.errors import CheckpointError
+    from deepspeed.checkpoint.sharded import ShardedCheckpoint
 
     fx = fixture_module()
     tag = tmp_path / fx.TAG

@@ -24,7 +24,6 @@ MAX_LINES = 800
 OVER_800_UNTIL_SPLIT = {
     "deepspeed/runtime/engine.py",
     "deepspeed/runtime/config.py",
-    "deepspeed/runtime/zero/checkpoint_io.py",
 }
 
 _ROW = re.compile(r"^\|\s*(\d+)\s*\|(.*?)\|")

@@ -25,9 +25,10 @@ from torch import nn
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.checkpoint import layout, sharded
+from deepspeed.checkpoint.errors import CheckpointError
+from deepspeed.checkpoint.layout import model_states_name, optim_states_name
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
-from deepspeed.runtime.zero import checkpoint_io
-from deepspeed.runtime.zero.checkpoint_io import CheckpointError, model_states_name, optim_states_name
 from deepspeed.utils import zero_to_fp32
 from tests.unit.common import DistributedTest, _run_distributed
 from tests.unit.test_engine import GLOBAL_BATCH, WIDTH, TinyLM, batches, gathered_params, my_slice, train
@@ -225,7 +226,7 @@ class TestElasticLoad(DistributedTest):
         cfg["zero_optimization"]["pipeline_loading_checkpoint"] = True
         engine = build(cfg, seed=0)
         spans = []
-        real_open = checkpoint_io.ShardedCheckpoint.open.__func__
+        real_open = sharded.ShardedCheckpoint.open.__func__
 
         def timed_open(cls, *args, **kwargs):
             start = time.time()
@@ -234,7 +235,7 @@ class TestElasticLoad(DistributedTest):
             spans.append((start, time.time()))
             return out
 
-        monkeypatch.setattr(checkpoint_io.ShardedCheckpoint, "open", classmethod(timed_open))
+        monkeypatch.setattr(sharded.ShardedCheckpoint, "open", classmethod(timed_open))
         with mock.patch.object(
             engine, "_get_optimizer_ckpt_name", wraps=engine._get_optimizer_ckpt_name
         ) as name:
@@ -423,11 +424,11 @@ class TestCrashSafety(DistributedTest):
         def killed(save_dir, tag):
             raise OSError("killed before latest (simulated)")
 
-        monkeypatch.setattr(checkpoint_io, "write_latest", killed)
+        monkeypatch.setattr(layout, "write_latest", killed)
         with pytest.raises(CheckpointError, match="rank 0: OSError: killed before latest"):
             engine.save_checkpoint(root, tag="unpublished")
         monkeypatch.undo()
-        assert checkpoint_io.read_latest(root) == "good"
+        assert layout.read_latest(root) == "good"
         assert os.path.isfile(os.path.join(root, "unpublished", optim_states_name(1)))
 
         fresh = build(train_config(), seed=1)
@@ -470,7 +471,7 @@ class TestCrashSafety(DistributedTest):
             def unreadable(directory, *args, **kwargs):
                 raise CheckpointError(f"{directory}: unreadable on this node (simulated)")
 
-            monkeypatch.setattr(checkpoint_io.ShardedCheckpoint, "open", unreadable)
+            monkeypatch.setattr(sharded.ShardedCheckpoint, "open", unreadable)
         with pytest.raises(CheckpointError, match="rank 1: .*unreadable on this node"):
             engine.load_checkpoint(root)
 

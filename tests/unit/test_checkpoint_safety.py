@@ -1,5 +1,5 @@
 """Loading a checkpoint never runs code planted in its files (see [Note: loading untrusted
-checkpoints] in deepspeed/runtime/zero/checkpoint_io.py).
+checkpoints] in deepspeed/checkpoint/safe_load.py).
 
 A planted file is one of a real 2-rank checkpoint's files, re-saved with one more entry whose
 pickle calls `os.system("touch MARKER")` when unpickled: what a file from a model hub could
@@ -39,13 +39,9 @@ import pytest
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.runtime.zero import checkpoint_io
-from deepspeed.runtime.zero.checkpoint_io import (
-    CheckpointError,
-    UnsafeCheckpointError,
-    model_states_name,
-    optim_states_name,
-)
+from deepspeed.checkpoint import layout, safe_load
+from deepspeed.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from deepspeed.checkpoint.layout import model_states_name, optim_states_name
 from deepspeed.utils import zero_to_fp32
 from tests.unit.common import DistributedTest, _run_distributed
 from tests.unit.test_checkpoint import build, train, train_config
@@ -125,7 +121,7 @@ def _plant_kind(kind: str, root: str, base: str) -> tuple:
     if kind == "latest":
         target = os.path.join(folder, "evil", model_states_name(0))
         shutil.copytree(tag_dir, os.path.dirname(target))
-        checkpoint_io.write_latest(folder, "evil")
+        layout.write_latest(folder, "evil")
     elif kind == "latest_outside":
         outside = os.path.join(root, "outside")
         shutil.copytree(tag_dir, outside)
@@ -166,7 +162,7 @@ def assert_refused(err: BaseException, kind: str, target: str) -> None:
     else:
         assert isinstance(err, UnsafeCheckpointError), repr(err)
         assert PLANTED_GLOBAL in text and "trust_checkpoint=True" in text, text
-        assert checkpoint_io.TRUST_ENV in text, text
+        assert safe_load.TRUST_ENV in text, text
 
 
 # ============================================================================ zero_to_fp32, no process group
@@ -203,7 +199,7 @@ def test_command_line_and_folder_script_exit_1(planted, kind, tmp_path, capsys, 
     # The script written beside the checkpoint, as `python zero_to_fp32.py . out` runs it.
     monkeypatch.setattr(sys, "argv", ["zero_to_fp32.py", folder, out])
     with pytest.raises(SystemExit) as info:
-        runpy.run_path(os.path.join(folder, checkpoint_io.RECOVERY_SCRIPT), run_name="__main__")
+        runpy.run_path(os.path.join(folder, layout.RECOVERY_SCRIPT), run_name="__main__")
     assert info.value.code == (0 if target is None else 1)
     err = capsys.readouterr().err
     if target is not None:
@@ -213,10 +209,10 @@ def test_command_line_and_folder_script_exit_1(planted, kind, tmp_path, capsys, 
 
 def test_real_subprocesses_exit_1_without_running_it(planted, tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO}
-    env.pop(checkpoint_io.TRUST_ENV, None)
+    env.pop(safe_load.TRUST_ENV, None)
     for kind, cmd in (
         ("model_rank1", [sys.executable, "-m", "deepspeed.utils.zero_to_fp32"]),
-        ("optim", [sys.executable, checkpoint_io.RECOVERY_SCRIPT]),
+        ("optim", [sys.executable, layout.RECOVERY_SCRIPT]),
     ):
         folder, marker, target = planted[kind]
         done = subprocess.run(
@@ -232,7 +228,7 @@ def test_opting_in_unpickles_the_file(planted, tmp_path, monkeypatch):
 
     A planted `os.system` stays refused even then: torch blocks os / posix / nt / sys.
     """
-    monkeypatch.delenv(checkpoint_io.TRUST_ENV, raising=False)
+    monkeypatch.delenv(safe_load.TRUST_ENV, raising=False)
     folder, marker, _ = planted["model_rank0"]
     with pytest.raises(UnsafeCheckpointError, match=f"{PLANTED_GLOBAL} whose module posix is blocked"):
         zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(folder, trust_checkpoint=True)
@@ -250,9 +246,9 @@ def test_opting_in_unpickles_the_file(planted, tmp_path, monkeypatch):
         elif way == "cli":
             assert zero_to_fp32.main([folder, str(tmp_path / "o.bin"), "--trust_checkpoint"]) == 0
         else:
-            monkeypatch.setenv(checkpoint_io.TRUST_ENV, "1")
+            monkeypatch.setenv(safe_load.TRUST_ENV, "1")
             zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(folder)
-            monkeypatch.delenv(checkpoint_io.TRUST_ENV)
+            monkeypatch.delenv(safe_load.TRUST_ENV)
         assert os.path.exists(marker), way
 
 
@@ -303,7 +299,7 @@ def test_no_unrestricted_unpickling_in_the_package():
                 call.lineno,
             )
             loads.append(path.name)
-    assert loads == ["checkpoint_io.py"]  # the one loader
+    assert loads == ["safe_load.py"]  # the one loader
 
 
 # ============================================================================ the engine, on 1 and 2 ranks
@@ -328,7 +324,7 @@ class TestEngineLoad(DistributedTest):
     world_size = [1, 2]
 
     def test_planted_files_raise_on_every_rank(self, planted, monkeypatch):
-        monkeypatch.delenv(checkpoint_io.TRUST_ENV, raising=False)
+        monkeypatch.delenv(safe_load.TRUST_ENV, raising=False)
         engine = build(train_config(), seed=0)
         for kind in KINDS:
             folder, marker, target = planted[kind]
@@ -344,7 +340,7 @@ class TestEngineLoad(DistributedTest):
             assert not os.path.exists(marker), kind
 
     def test_client_state_round_trip_and_opt_ins(self, tmp_path, monkeypatch):
-        monkeypatch.delenv(checkpoint_io.TRUST_ENV, raising=False)
+        monkeypatch.delenv(safe_load.TRUST_ENV, raising=False)
         root = str(tmp_path)
         engine = build(train_config())
         plain = {**CLIENT_STATE, "args": argparse.Namespace(lr=0.1), "dir": pathlib.Path("/data/x")}
@@ -370,9 +366,9 @@ class TestEngineLoad(DistributedTest):
         with torch.serialization.safe_globals([Hyper]):  # allowlist just this type
             assert engine.load_checkpoint(root, tag="custom")[1]["hyper"].width == 8
         assert engine.load_checkpoint(root, tag="custom", trust_checkpoint=True)[1]["hyper"].width == 8
-        monkeypatch.setenv(checkpoint_io.TRUST_ENV, "1")  # for clients that call load_checkpoint themselves
+        monkeypatch.setenv(safe_load.TRUST_ENV, "1")  # for clients that call load_checkpoint themselves
         assert engine.load_checkpoint(root, tag="custom")[1]["hyper"].width == 8
-        monkeypatch.delenv(checkpoint_io.TRUST_ENV)
+        monkeypatch.delenv(safe_load.TRUST_ENV)
 
         # numpy values: an array or scalar names numpy.dtype, whose instances are of classes
         # (numpy.dtypes.Int64DType) the file never names; trusted, they load as saved.
@@ -388,11 +384,11 @@ class TestEngineLoad(DistributedTest):
             engine.load_checkpoint(root, tag="numpy")
         for opt_in in ("argument", "environment"):
             if opt_in == "environment":
-                monkeypatch.setenv(checkpoint_io.TRUST_ENV, "1")
+                monkeypatch.setenv(safe_load.TRUST_ENV, "1")
             got = engine.load_checkpoint(root, tag="numpy", trust_checkpoint=opt_in == "argument")[1]
             assert np.array_equal(got["arr"], numbers["arr"]) and got["arr"].dtype == np.int64, opt_in
             assert got["scalar"] == 1.5 and type(got["scalar"]) is np.float64, opt_in
             assert got["count"] == 7 and type(got["count"]) is np.int64, opt_in
             assert got["rng"][0] == rng[0] and np.array_equal(got["rng"][1], rng[1]), opt_in
-        monkeypatch.delenv(checkpoint_io.TRUST_ENV)
+        monkeypatch.delenv(safe_load.TRUST_ENV)
         assert zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(root, tag="numpy", trust_checkpoint=True)

@@ -29,10 +29,10 @@ from torch import nn
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.checkpoint import layout
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedRootConfig
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.runtime.forward_prologue import cast_floating_inputs
-from deepspeed.runtime.zero import checkpoint_io
 from deepspeed.runtime.zero.config import get_zero_config
 from deepspeed.runtime.zero.hooks import persistent_states
 from deepspeed.runtime.zero.patching import _orig_module_apply
@@ -530,10 +530,10 @@ class TestActedOnKeys(DistributedTest):
 
 
 def _run_recovery_script(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    checkpoint_io.write_recovery_script(str(folder))
+    layout.write_recovery_script(str(folder))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run(
-        [sys.executable, str(folder / checkpoint_io.RECOVERY_SCRIPT), str(folder), *args],
+        [sys.executable, str(folder / layout.RECOVERY_SCRIPT), str(folder), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -551,8 +551,8 @@ def test_recovery_script_fails_on_missing_checkpoint(tmp_path):
 def test_recovery_script_fails_on_corrupt_checkpoint(tmp_path):
     tag = tmp_path / "global_step1"
     tag.mkdir()
-    (tmp_path / checkpoint_io.LATEST_FILE).write_text("global_step1")
-    (tag / checkpoint_io.model_states_name(0)).write_bytes(b"not a torch file")
+    (tmp_path / layout.LATEST_FILE).write_text("global_step1")
+    (tag / layout.model_states_name(0)).write_bytes(b"not a torch file")
     result = _run_recovery_script(tmp_path, str(tmp_path / "out.bin"))
     assert result.returncode != 0
     assert "zero_to_fp32: error:" in result.stderr and "Traceback" not in result.stderr

@@ -499,7 +499,7 @@ class ParameterCoordinator:
     # ------------------------------------------------------------------ use outside the owner
 
     def _on_access(self, param: nn.Parameter) -> None:
-        """A parameter used outside its module: gather it for the running submodule (see param_state)."""
+        """A parameter used outside its module: gather it for the running submodule (see parameter.py)."""
         self._adopt(param)
 
     def _hand_returned_parameters(self, hold: _Hold, output: Any) -> None:

@@ -3,7 +3,7 @@
 [Note: the replicated layout]
 Stages 1 and 2 keep every parameter whole on every rank, so forward and backward run as in
 DDP, with no gather and no hooks. What is sharded is the optimizer's side. Each trainable
-parameter is cut by the same shard math as stage 3 (param_state's note), and this rank owns
+parameter is cut by the same shard math as stage 3 (lifecycle.py's note), and this rank owns
 slice `rank` of every parameter: the `shard` of a `ReplicatedShard`, which is that slice of
 the parameter itself where the parameter splits evenly over the ranks (else a copy, see
 `make_replicated_shards`). The fp32 masters and the optimizer state exist only

@@ -1,8 +1,8 @@
 """Reading checkpoint files written by upstream DeepSpeed (0.19, ZeRO stage 3), without its classes.
 
-`checkpoint_io.ShardedCheckpoint.open` calls `normalize_upstream` when a tag folder holds
+`sharded.ShardedCheckpoint.open` calls `normalize_upstream` when a tag folder holds
 upstream's files; the result has the layout of this package's own files (see
-[Note: checkpoint layout] in checkpoint_io.py), so loading, resharding to any number of
+[Note: checkpoint layout] in layout.py), so loading, resharding to any number of
 ranks and `zero_to_fp32` need no second code path.
 
 [Note: upstream's pickled classes]
@@ -12,11 +12,11 @@ Upstream pickles a few of its own objects into the files: the ZeRO stage as an `
 exist in this package too, with other meanings, so a plain unpickle would build the wrong
 object. `UPSTREAM_GLOBALS` maps each such path to a small stand-in here that turns into plain
 data (an int; a dict of the scaler's attributes). The one loader of checkpoint files,
-`checkpoint_io.load_checkpoint_file`, allowlists these stand-ins (under upstream's names) for
+`safe_load.load_checkpoint_file`, allowlists these stand-ins (under upstream's names) for
 `torch.load(weights_only=True)`: an upstream file goes through the same allowlist as ours,
 its classes are never imported, and even an opted-in trusted load maps them here, never to
 the classes of the same name in this package (see [Note: loading untrusted checkpoints] in
-checkpoint_io.py).
+safe_load.py).
 
 [Note: upstream's stage-3 layout]
 Saved on N ranks, rank r's `*_optim_states.pt` holds `optimizer_state_dict` with
