@@ -116,6 +116,8 @@ class StartStopTracker:
 
 def _owner_collected(owner_ref: weakref.ref) -> None:
     """An owner was garbage-collected: warn if its tracker was still active (started, never stopped)."""
+    if _REGISTRY is None:  # interpreter shutdown cleared this module's globals before the owner
+        return
     tracker = _REGISTRY.pop_for(owner_ref)
     if tracker is not None:
         warnings.warn(
