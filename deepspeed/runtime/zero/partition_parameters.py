@@ -557,6 +557,17 @@ class GatherHold:
         return self.description
 
 
+def live_modifier_gathers(states: list) -> list:
+    """The live gathers holding any of `states` whose edits a `modifier_rank` writes back, each
+    once, in the order of `states` (by ds_id: the same on every rank, so their collectives match)."""
+    writers: dict = {}
+    for state in states:
+        for owner in state.holds:
+            if isinstance(owner, GatherHold) and owner.modifier_rank is not None:
+                writers.setdefault(id(owner), owner)
+    return list(writers.values())
+
+
 class GatheredParameters:
     """Gather ZeRO-3 parameters between `start()` and `stop()` (or inside a `with` block).
 
