@@ -50,7 +50,7 @@ _TARGETS = (
     ("deepspeed.runtime.zero.grad_reducer", "GradientReducer", "flush", "grad: reducer.flush"),
     # Stages 1 and 2 (replicated parameters): the step-time reduction (stage 1) and the
     # all-gather of the updated slices back into the full parameters.
-    ("deepspeed.runtime.engine", "", "reduce_accumulated_grads", "z1: reduce accumulated grads"),
+    ("deepspeed.runtime.zero.stage", "", "reduce_accumulated_grads", "z1: reduce accumulated grads"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_refresh_full_params", "z12: refresh full params"),
     ("deepspeed.runtime.zero.gather", "", "_gather_bucket", "step: all-gather + copy into params"),
     ("deepspeed.runtime.zero.grad_reducer", "GradientReducer", "_reduce", "grad: pack+reduce+accumulate"),
