@@ -32,6 +32,7 @@ import torch
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from deepspeed.runtime.config_loading import load_config_dict, resolve_batch_sizes, resolve_world_size
+from deepspeed.runtime.config_precision import DeepSpeedBF16Config, DeepSpeedFP16Config, precision_attributes
 from deepspeed.runtime.config_utils import (
     DeepSpeedConfigError,
     DeepSpeedConfigModel,
@@ -42,6 +43,7 @@ from deepspeed.runtime.config_utils import (
     reject_auto_values,
     section_is_off,
     strip_auto_values,
+    unsupported_when_true,
 )
 from deepspeed.runtime.zero.config import (
     ZERO_OPTIMIZATION,
@@ -122,10 +124,6 @@ def _off(feature: str, instead: str = "") -> Unsupported:
     )
 
 
-def _true_unsupported(feature: str) -> Unsupported:
-    return Unsupported(f"{feature}; remove the key or set it to false")
-
-
 # Upstream's `aio` defaults (NVMe async I/O), which PyTorch Lightning writes into every config.
 _AIO_DEFAULTS = {
     "block_size": 1048576,
@@ -180,7 +178,7 @@ class DeepSpeedCompileConfig(DeepSpeedConfigModel):
     (`TrainingArguments(torch_compile=True)`); see docs/engine.md."""
 
     _unsupported: ClassVar[dict[str, Unsupported]] = {
-        "deepcompile": _true_unsupported(
+        "deepcompile": unsupported_when_true(
             "DeepCompile (upstream's compiler passes for ZeRO) is not implemented"
         ),
     }
@@ -198,81 +196,11 @@ class DeepSpeedCompileConfig(DeepSpeedConfigModel):
     """Upstream's DeepCompile; true is refused (not implemented)."""
 
 
-class DeepSpeedFP16Config(DeepSpeedConfigModel):
-    """`fp16`: train in float16 with a (by default dynamic) loss scale."""
-
-    _unsupported: ClassVar[dict[str, Unsupported]] = {
-        "fp16_master_weights_and_grads": _true_unsupported(
-            "masters and gradients are always kept in fp32 (upstream allows fp16 only with CPU-offload Adam)"
-        ),
-    }
-
-    enabled: bool = False
-    """Train with float16 parameters and activations."""
-
-    auto_cast: bool = False
-    """Cast floating-point tensors among the engine forward's inputs to float16 (with `enabled`)."""
-
-    loss_scale: float = Field(0.0, ge=0.0)
-    """Static loss scale; 0 selects dynamic loss scaling."""
-
-    initial_scale_power: int = Field(16, ge=0)
-    """Dynamic scaling starts at 2**initial_scale_power."""
-
-    loss_scale_window: int = Field(1000, gt=0)
-    """Overflow-free steps before the dynamic scale is raised."""
-
-    hysteresis: int = Field(2, ge=1)
-    """Overflows tolerated before the dynamic scale is lowered (upstream `delayed_shift`)."""
-
-    consecutive_hysteresis: bool = False
-    """Refill the hysteresis budget after every overflow-free step."""
-
-    min_loss_scale: float = Field(1.0, gt=0.0)
-    """The dynamic scale never drops below this."""
-
-    fp16_master_weights_and_grads: bool = False
-    """Keep master weights and gradients in float16 too (upstream, CPU-offload Adam only)."""
-
-
-class DeepSpeedBF16Config(DeepSpeedConfigModel):
-    """`bf16` (also spelt `bfloat16`): train in bfloat16; no loss scaling is needed."""
-
-    _unsupported: ClassVar[dict[str, Unsupported]] = {
-        "check_grad_overflow": _true_unsupported(
-            "bf16 steps are not skipped on inf/nan gradients; use fp16 for overflow-skipping steps"
-        ),
-        "bf16_master_weights_and_grads": _true_unsupported(
-            "master weights and gradients are always kept in fp32"
-        ),
-        "bf16_optimizer_states": _true_unsupported("optimizer states are always kept in fp32"),
-    }
-    _no_effect: ClassVar[dict[str, str]] = {
-        "immediate_grad_update": "reduced gradients are always added to the fp32 gradient shard as each "
-        "bucket is reduced (what true means upstream); false only delays that upstream",
-    }
-
-    enabled: bool = False
-    """Train with bfloat16 parameters and activations."""
-
-    immediate_grad_update: bool = False
-    """Upstream: apply gradients to the fp32 copy as they arrive; always so here (no effect)."""
-
-    check_grad_overflow: bool = False
-    """Upstream: skip a step on inf/nan bfloat16 gradients; true is refused (not implemented)."""
-
-    bf16_master_weights_and_grads: bool = False
-    """Upstream: keep master weights and gradients in bfloat16; true is refused (always fp32)."""
-
-    bf16_optimizer_states: bool = False
-    """Upstream: keep optimizer states in bfloat16; true is refused (always fp32)."""
-
-
 class DeepSpeedOptimizerConfig(DeepSpeedConfigModel):
     """`optimizer`: which optimizer the engine builds when the client passes none."""
 
     _unsupported: ClassVar[dict[str, Unsupported]] = {
-        "legacy_fusion": _true_unsupported("upstream's old fused fp16 optimizer path is not implemented"),
+        "legacy_fusion": unsupported_when_true("upstream's old fused fp16 optimizer path is not implemented"),
     }
 
     type: Optional[str] = None
@@ -299,19 +227,23 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     """Every top-level key of a DeepSpeed JSON config; unknown keys are ignored with a warning."""
 
     _unsupported: ClassVar[dict[str, Unsupported]] = {
-        "sparse_gradients": _true_unsupported("gradients are reduce-scattered as dense tensors"),
+        "sparse_gradients": unsupported_when_true("gradients are reduce-scattered as dense tensors"),
         "seq_parallel_communication_data_type": Unsupported(
             "sequence parallelism is not implemented; remove the key or set it to 'fp32'"
         ),
-        "dump_state": _true_unsupported("state dumps are not implemented; print(engine._config.describe())"),
-        "disable_allgather": _true_unsupported("parameters are always all-gathered for forward and backward"),
-        "fp32_allreduce": _true_unsupported('set "communication_data_type": "fp32" instead'),
-        "graph_harvesting": _true_unsupported("accelerator graph capture of the step is not implemented"),
-        "use_data_before_expert_parallelism": _true_unsupported(
+        "dump_state": unsupported_when_true(
+            "state dumps are not implemented; print(engine._config.describe())"
+        ),
+        "disable_allgather": unsupported_when_true(
+            "parameters are always all-gathered for forward and backward"
+        ),
+        "fp32_allreduce": unsupported_when_true('set "communication_data_type": "fp32" instead'),
+        "graph_harvesting": unsupported_when_true("accelerator graph capture of the step is not implemented"),
+        "use_data_before_expert_parallelism": unsupported_when_true(
             "mixture-of-experts groups are not implemented"
         ),
         "sequence_parallel_size": Unsupported("sequence parallelism is not implemented; set it to 1"),
-        "load_universal_checkpoint": _true_unsupported(
+        "load_universal_checkpoint": unsupported_when_true(
             "universal checkpoints are not read; checkpoints saved here load on any number of ranks as they are"
         ),
         "checkpoint": Unsupported(
@@ -696,32 +628,9 @@ class DeepSpeedConfig:
         self.gradient_accumulation_steps = gas
 
     def _set_precision_attributes(self) -> None:
-        fp16, bf16 = self.typed_config.fp16, self.typed_config.bf16
-        self.fp16_enabled = fp16.enabled
-        self.bfloat16_enabled = bf16.enabled
-        self.fp16_auto_cast = fp16.auto_cast if fp16.enabled else False
-        self.fp16_master_weights_and_grads = fp16.fp16_master_weights_and_grads
-        self.bfloat16_immediate_grad_update = bf16.immediate_grad_update
-        self.bfloat16_check_grad_overflow = bf16.check_grad_overflow
-        # Upstream's values when fp16 is off: bf16 needs no scaling (1), plain fp32 reports 0.
-        if fp16.enabled:
-            self.loss_scale = fp16.loss_scale
-            self.initial_dynamic_scale = 2**fp16.initial_scale_power
-        else:
-            self.loss_scale = 1.0 if bf16.enabled else 0.0
-            self.initial_dynamic_scale = 1 if bf16.enabled else 2**16
-        self.dynamic_loss_scale_args = None
-        if fp16.enabled and fp16.loss_scale == 0:
-            self.dynamic_loss_scale_args = {
-                "init_scale": 2**fp16.initial_scale_power,
-                "scale_window": fp16.loss_scale_window,
-                "delayed_shift": fp16.hysteresis,
-                "consecutive_hysteresis": fp16.consecutive_hysteresis,
-                "min_scale": fp16.min_loss_scale,
-            }
-        amp = self.typed_config.amp or {}
-        self.amp_enabled = bool(amp.get("enabled", False))
-        self.amp_params = {k: v for k, v in amp.items() if k != "enabled"} if self.amp_enabled else None
+        typed = self.typed_config
+        for name, value in precision_attributes(typed.fp16, typed.bf16, typed.amp).items():
+            setattr(self, name, value)
 
     @property
     def bf16_enabled(self) -> bool:

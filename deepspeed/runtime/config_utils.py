@@ -123,6 +123,11 @@ class Unsupported:
     accepts: Optional[Callable[[Any], bool]] = None
 
 
+def unsupported_when_true(feature: str) -> Unsupported:
+    """The rule for a boolean key whose true value names `feature`, which is not implemented."""
+    return Unsupported(f"{feature}; remove the key or set it to false")
+
+
 def section_is_off(value: Any) -> bool:
     """True for an absent, empty or switched-off free-form section.
 

@@ -2,7 +2,7 @@
 
 [Note: full and local]
 Under ZeRO each rank keeps only its shard of a parameter's fp32 master, of its gradient and
-of its optimizer states (see stage3.py's master-shards note):
+of its optimizer states (see optimizer.py's master-shards note):
 - *full* functions gather (or scatter) the whole tensor, shaped like the parameter. Getters
   are collectives over the parameter's group: call them on every rank, in the same order.
   Setters take the full value on every rank and keep this rank's slice (no communication,

@@ -77,7 +77,7 @@ class GradientReducer:
         self.bucket_elems = max(1, int(bucket_elems))
         self.accumulate = accumulate  # (state, reduced slice, alpha) -> None
         # () -> None, after the last accumulate of a flush: the accumulator's copies that may
-        # still be in flight must land before anyone reads the shards (stage3.py's note on
+        # still be in flight must land before anyone reads the shards (optimizer.py's note on
         # offloaded gradients).
         self.settle = settle
         self.comm_dtype = comm_dtype  # None: reduce in the gradient's own dtype

@@ -309,6 +309,7 @@ class ParameterCoordinator:
         prefetch_bucket_size: int,
         max_live_parameters: int,
         max_reuse_distance: int = 0,
+        on_leaf_backward_done: Optional[Any] = None,
     ) -> None:
         self.module = module
         self.prefetcher = _Prefetcher(
@@ -320,9 +321,9 @@ class ParameterCoordinator:
         self.recompute_holds: dict = {}
         self.awaiting_backward = False  # a grad-enabled forward finished and no backward closed it
         self.under_leaf: set = _under_leaves(module)  # ids of modules inside a leaf: they hold nothing
-        # Set by the engine: called with a leaf module once the backward of its last forward use
-        # in the pass is over (leaf_grads.py); id(leaf) -> forward uses whose backward is pending.
-        self.on_leaf_backward_done: Optional[Any] = None
+        # The engine's: called with a leaf module once the backward of its last forward use in
+        # the pass is over (leaf_grads.py); id(leaf) -> forward uses whose backward is pending.
+        self.on_leaf_backward_done = on_leaf_backward_done
         self.leaf_uses: dict = {}
         # id(ZeroParamState) -> the _Hold that keeps it whole while autograd accumulates a
         # gradient no submodule's backward was holding it for (see the note)

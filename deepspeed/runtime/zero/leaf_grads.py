@@ -19,7 +19,7 @@ A zero gradient must not train a parameter that no rank used: plain PyTorch leav
 without a gradient, and its optimizer skips it (no momentum step, no weight decay). So each
 rank records which of these parameters got a real gradient since the last step; the step's
 norm all-reduce carries those flags (`presence`), and a parameter no rank used has its
-master's gradient dropped before the optimizer steps (stage3.py, `_global_norm_of_scaled_grads`).
+master's gradient dropped before the optimizer steps (optimizer.py, `_global_norm_of_scaled_grads`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ next reduction allocates them again.
 
 [Note: a state shared with one that stays]
 Training in fp32 with the masters on the accelerator, an fp32 master shard is the parameter's
-shard itself (stage3.py, `_make_master`): the same bytes are both `hp_params` and
+shard itself (optimizer.py, `_make_master`): the same bytes are both `hp_params` and
 `lp_params`. Offloading only `hp_params` then leaves that storage where it is, since the
 model still needs it (RLHF generates with the model while the optimizer's states are off);
 it costs no memory of its own. Named together, both go.

@@ -77,12 +77,51 @@ _TRIM_AFTER_BYTES = 1 << 20
 # ============================================================================ Init settings
 
 
-def _load_config(config_dict_or_path: Any) -> dict:
+class _InitConfig:
+    """What `zero.Init` reads of a DeepSpeed config: the training dtype and the typed
+    `zero_optimization` section. The engine's `DeepSpeedConfig` gives both as it parsed them;
+    a dict or a JSON file has its zero section parsed once, when first needed, with
+    ``strict=False`` (HF enters Init before it resolves the config's "auto" values)."""
+
+    def __init__(self, dtype: torch.dtype, zero: Any = None, raw: Optional[dict] = None) -> None:
+        self.dtype = dtype
+        self._zero = zero  # a DeepSpeedZeroConfig, or None until parsed from `raw`
+        self._raw = raw
+
+    def zero(self) -> Any:
+        if self._zero is None:
+            from deepspeed.runtime.zero.config import get_zero_config
+
+            self._zero = get_zero_config(self._raw, strict=False)
+        return self._zero
+
+
+def _load_config(config_dict_or_path: Any) -> _InitConfig:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    if isinstance(config_dict_or_path, DeepSpeedConfig):
+        config = config_dict_or_path
+        return _InitConfig(
+            _train_dtype(config.bfloat16_enabled, config.fp16_enabled), zero=config.zero_config
+        )
+    cfg = _read_config_dict(config_dict_or_path)
+    bf16 = cfg.get("bf16", cfg.get("bfloat16", {})) or {}  # the `enabled` switches as written
+    return _InitConfig(
+        _train_dtype(bf16.get("enabled", False), (cfg.get("fp16") or {}).get("enabled", False)), raw=cfg
+    )
+
+
+def _train_dtype(bf16: Any, fp16: Any) -> torch.dtype:
+    """bf16, else fp16, else fp32, as the engine will train the model."""
+    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+
+
+def _read_config_dict(config_dict_or_path: Any) -> dict:
     if config_dict_or_path is None:
         return {}
     if isinstance(config_dict_or_path, dict):
         return config_dict_or_path
-    if hasattr(config_dict_or_path, "_param_dict"):  # a DeepSpeedConfig object
+    if hasattr(config_dict_or_path, "_param_dict"):  # another config object holding the dict
         return config_dict_or_path._param_dict
     if isinstance(config_dict_or_path, (str, os.PathLike)):
         path = os.fspath(config_dict_or_path)
@@ -101,34 +140,14 @@ def _load_config(config_dict_or_path: Any) -> dict:
     )
 
 
-def _dtype_from_config(cfg: dict) -> torch.dtype:
-    """bf16, else fp16, else fp32, as the engine will train the model."""
-    bf16 = cfg.get("bf16", cfg.get("bfloat16", {})) or {}
-    if bf16.get("enabled", False):
-        return torch.bfloat16
-    if (cfg.get("fp16") or {}).get("enabled", False):
-        return torch.float16
-    return torch.float32
-
-
-def _offload_from_config(cfg: dict, pin_memory: bool) -> tuple:
-    """`(remote_device, pin_memory)` from `zero_optimization.offload_param`, as upstream reads it."""
-    offload = (cfg.get("zero_optimization") or {}).get("offload_param") or {}
-    device = offload.get("device", "none")
-    if device == "nvme":
-        raise ValueError(
-            "zero_optimization.offload_param.device='nvme' is not supported by zero.Init; use 'cpu' or 'none'"
-        )
-    if device == "cpu":
-        return "cpu", bool(offload.get("pin_memory", pin_memory))
-    return None, pin_memory
-
-
-def _zero_section(cfg: dict) -> Any:
-    # strict=False: HF enters Init before it resolves the config's "auto" values.
-    from deepspeed.runtime.zero.config import get_zero_config
-
-    return get_zero_config(cfg, strict=False)
+def _offload_from_config(cfg: _InitConfig, pin_memory: bool) -> tuple:
+    """`(remote_device, pin_memory)` from `zero_optimization.offload_param`, as upstream reads it:
+    `pin_memory` keeps the argument's value unless the block sets it. ``device: "nvme"`` is
+    refused by the typed section, naming `zero_optimization.offload_param.device`."""
+    offload = cfg.zero().offload_param
+    if offload is None or offload.device != "cpu":
+        return None, pin_memory
+    return "cpu", bool(offload.pin_memory) if "pin_memory" in offload.model_fields_set else pin_memory
 
 
 class _InitSettings:
@@ -438,10 +457,10 @@ class Init:
         if remote_device is None:
             remote_device, pin_memory = _offload_from_config(cfg, pin_memory)
         self.enabled = enabled
-        self.dtype = dtype if dtype is not None else _dtype_from_config(cfg)
+        self.dtype = dtype if dtype is not None else cfg.dtype
         self.remote_device = remote_device
         self.pin_memory = pin_memory
-        zero = _zero_section(cfg) if enabled else None
+        zero = cfg.zero() if enabled else None
         self.sanity_checks = bool(zero.enable_sanity_checks) if zero is not None else False
         self.override_module_apply = bool(zero.override_module_apply) if zero is not None else True
         self.group = self._choose_group(data_parallel_group, mpu, sequence_data_parallel_group)
@@ -547,6 +566,17 @@ class GatherHold:
 
     def __repr__(self) -> str:
         return self.description
+
+
+def live_modifier_gathers(states: list) -> list:
+    """The live gathers holding any of `states` whose edits a `modifier_rank` writes back, each
+    once, in the order of `states` (by ds_id: the same on every rank, so their collectives match)."""
+    writers: dict = {}
+    for state in states:
+        for owner in state.holds:
+            if isinstance(owner, GatherHold) and owner.modifier_rank is not None:
+                writers.setdefault(id(owner), owner)
+    return list(writers.values())
 
 
 class GatheredParameters:

@@ -29,7 +29,7 @@ from torch import nn
 
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus, shard_sizes
-from deepspeed.runtime.zero.stage3 import ZeroStage3Optimizer
+from deepspeed.runtime.zero.optimizer import ZeroStage3Optimizer
 
 
 class ReplicatedShard:
@@ -223,7 +223,7 @@ def allreduce_whole_grads(states: list, reducer: Any, fill: Callable, drop_shard
         if chunk:
             _allreduce_into_grads(chunk, dtype, reducer, drop_shard)
     if reducer.settle is not None:
-        reducer.settle()  # offloaded shards land asynchronously (stage3.py's note)
+        reducer.settle()  # offloaded shards land asynchronously (optimizer.py's note)
 
 
 def _allreduce_into_grads(chunk: list, dtype: torch.dtype, reducer: Any, drop_shard: Callable) -> None:

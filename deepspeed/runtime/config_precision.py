@@ -1,0 +1,117 @@
+"""The `fp16` and `bf16` sections of a DeepSpeed config, and the flat precision attributes
+`DeepSpeedConfig` derives from them (`fp16_enabled`, `loss_scale`, `dynamic_loss_scale_args`, ...).
+
+Split from `config.py`, which re-exports both section classes under their old import path.
+"""
+
+from typing import Any, ClassVar, Optional
+
+from pydantic import Field
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel, Unsupported, unsupported_when_true
+
+__all__ = ["DeepSpeedBF16Config", "DeepSpeedFP16Config", "precision_attributes"]
+
+
+class DeepSpeedFP16Config(DeepSpeedConfigModel):
+    """`fp16`: train in float16 with a (by default dynamic) loss scale."""
+
+    _unsupported: ClassVar[dict[str, Unsupported]] = {
+        "fp16_master_weights_and_grads": unsupported_when_true(
+            "masters and gradients are always kept in fp32 (upstream allows fp16 only with CPU-offload Adam)"
+        ),
+    }
+
+    enabled: bool = False
+    """Train with float16 parameters and activations."""
+
+    auto_cast: bool = False
+    """Cast floating-point tensors among the engine forward's inputs to float16 (with `enabled`)."""
+
+    loss_scale: float = Field(0.0, ge=0.0)
+    """Static loss scale; 0 selects dynamic loss scaling."""
+
+    initial_scale_power: int = Field(16, ge=0)
+    """Dynamic scaling starts at 2**initial_scale_power."""
+
+    loss_scale_window: int = Field(1000, gt=0)
+    """Overflow-free steps before the dynamic scale is raised."""
+
+    hysteresis: int = Field(2, ge=1)
+    """Overflows tolerated before the dynamic scale is lowered (upstream `delayed_shift`)."""
+
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every overflow-free step."""
+
+    min_loss_scale: float = Field(1.0, gt=0.0)
+    """The dynamic scale never drops below this."""
+
+    fp16_master_weights_and_grads: bool = False
+    """Keep master weights and gradients in float16 too (upstream, CPU-offload Adam only)."""
+
+
+class DeepSpeedBF16Config(DeepSpeedConfigModel):
+    """`bf16` (also spelt `bfloat16`): train in bfloat16; no loss scaling is needed."""
+
+    _unsupported: ClassVar[dict[str, Unsupported]] = {
+        "check_grad_overflow": unsupported_when_true(
+            "bf16 steps are not skipped on inf/nan gradients; use fp16 for overflow-skipping steps"
+        ),
+        "bf16_master_weights_and_grads": unsupported_when_true(
+            "master weights and gradients are always kept in fp32"
+        ),
+        "bf16_optimizer_states": unsupported_when_true("optimizer states are always kept in fp32"),
+    }
+    _no_effect: ClassVar[dict[str, str]] = {
+        "immediate_grad_update": "reduced gradients are always added to the fp32 gradient shard as each "
+        "bucket is reduced (what true means upstream); false only delays that upstream",
+    }
+
+    enabled: bool = False
+    """Train with bfloat16 parameters and activations."""
+
+    immediate_grad_update: bool = False
+    """Upstream: apply gradients to the fp32 copy as they arrive; always so here (no effect)."""
+
+    check_grad_overflow: bool = False
+    """Upstream: skip a step on inf/nan bfloat16 gradients; true is refused (not implemented)."""
+
+    bf16_master_weights_and_grads: bool = False
+    """Upstream: keep master weights and gradients in bfloat16; true is refused (always fp32)."""
+
+    bf16_optimizer_states: bool = False
+    """Upstream: keep optimizer states in bfloat16; true is refused (always fp32)."""
+
+
+def precision_attributes(
+    fp16: DeepSpeedFP16Config, bf16: DeepSpeedBF16Config, amp: Optional[dict]
+) -> dict[str, Any]:
+    """Upstream's flat precision attributes of a config, by name, from its typed sections."""
+    out: dict[str, Any] = {
+        "fp16_enabled": fp16.enabled,
+        "bfloat16_enabled": bf16.enabled,
+        "fp16_auto_cast": fp16.auto_cast if fp16.enabled else False,
+        "fp16_master_weights_and_grads": fp16.fp16_master_weights_and_grads,
+        "bfloat16_immediate_grad_update": bf16.immediate_grad_update,
+        "bfloat16_check_grad_overflow": bf16.check_grad_overflow,
+    }
+    # Upstream's values when fp16 is off: bf16 needs no scaling (1), plain fp32 reports 0.
+    if fp16.enabled:
+        out["loss_scale"] = fp16.loss_scale
+        out["initial_dynamic_scale"] = 2**fp16.initial_scale_power
+    else:
+        out["loss_scale"] = 1.0 if bf16.enabled else 0.0
+        out["initial_dynamic_scale"] = 1 if bf16.enabled else 2**16
+    out["dynamic_loss_scale_args"] = None
+    if fp16.enabled and fp16.loss_scale == 0:
+        out["dynamic_loss_scale_args"] = {
+            "init_scale": 2**fp16.initial_scale_power,
+            "scale_window": fp16.loss_scale_window,
+            "delayed_shift": fp16.hysteresis,
+            "consecutive_hysteresis": fp16.consecutive_hysteresis,
+            "min_scale": fp16.min_loss_scale,
+        }
+    amp = amp or {}
+    out["amp_enabled"] = bool(amp.get("enabled", False))
+    out["amp_params"] = {k: v for k, v in amp.items() if k != "enabled"} if out["amp_enabled"] else None
+    return out
