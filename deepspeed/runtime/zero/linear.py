@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepspeed import process_state
 from deepspeed.runtime.zero.param_state import ACCESS_HOOK, ZeroParamStatus, is_zero_param
 
 # Set (to True, in the module's __dict__) on modules built under
@@ -144,9 +145,6 @@ class _NamespaceWith(dict):
             cached = self._copies[function.__name__] = (function, copy)
         return cached[1]
 
-    def clear_copies(self) -> None:
-        self._copies.clear()
-
 
 class _ModuleView:
     """Attribute access over a `_NamespaceWith`: what `F.name` reads in a copied function."""
@@ -166,6 +164,12 @@ _FUNCTIONAL = _NamespaceWith(nn.functional, {"linear": linear_saving_parameter})
 # nn.MultiheadAttention.forward reaches the functional module as `F`.
 _ATTENTION_MODULE = sys.modules[nn.MultiheadAttention.__module__]
 _ATTENTION = _NamespaceWith(_ATTENTION_MODULE, {"F": _ModuleView(_FUNCTIONAL)})
+# Per process, and nothing to reset: each caches copies of torch's functions, and a function
+# torch's module rebinds is copied again at its next lookup.
+for _namespace in (_FUNCTIONAL, _ATTENTION):
+    process_state.register(
+        f"deepspeed.runtime.zero.linear namespace of {_namespace._module_globals['__name__']}", _namespace
+    )
 
 
 def _attention_forward(self: nn.MultiheadAttention, *args, **kwargs):
