@@ -164,12 +164,10 @@ _FUNCTIONAL = _NamespaceWith(nn.functional, {"linear": linear_saving_parameter})
 # nn.MultiheadAttention.forward reaches the functional module as `F`.
 _ATTENTION_MODULE = sys.modules[nn.MultiheadAttention.__module__]
 _ATTENTION = _NamespaceWith(_ATTENTION_MODULE, {"F": _ModuleView(_FUNCTIONAL)})
-# Per process, and nothing to reset: each caches copies of torch's functions, and a function
+# Per process, with nothing to reset: each caches copies of torch's functions, and a function
 # torch's module rebinds is copied again at its next lookup.
-for _namespace in (_FUNCTIONAL, _ATTENTION):
-    process_state.register(
-        f"deepspeed.runtime.zero.linear namespace of {_namespace._module_globals['__name__']}", _namespace
-    )
+process_state.register("deepspeed.runtime.zero.linear._FUNCTIONAL", _FUNCTIONAL)
+process_state.register("deepspeed.runtime.zero.linear._ATTENTION", _ATTENTION)
 
 
 def _attention_forward(self: nn.MultiheadAttention, *args, **kwargs):
