@@ -80,12 +80,14 @@ def _assigned_names(statements: list) -> list:
 
 
 def _is_state(value: object) -> bool:
-    """A container that changes in place, or an instance of one of our classes (a holder)."""
+    """A container that changes in place, or an instance of one of our classes that holds
+    attributes (a holder; one with none is a token, such as an owner of holds)."""
     if isinstance(value, MUTABLE_TYPES):
         return True
     if isinstance(value, (type, types.ModuleType, types.FunctionType, enum.Enum, BaseException)):
         return False
-    return type(value).__module__.startswith("deepspeed.")
+    has_fields = bool(getattr(value, "__dict__", None)) or bool(getattr(type(value), "__slots__", ()))
+    return type(value).__module__.startswith("deepspeed.") and has_fields
 
 
 def test_every_module_level_state_is_registered_or_a_constant():
