@@ -9,6 +9,7 @@ same way (`deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES` works after a bare
 
 import importlib
 import importlib.util
+import types as _types
 from typing import Optional
 
 from deepspeed.version import __version__
@@ -71,6 +72,7 @@ _LAZY = {
     "__git_hash__": ("deepspeed.git_version_info", "git_hash"),
     "__git_branch__": ("deepspeed.git_version_info", "git_branch"),
 }
+_LAZY = _types.MappingProxyType(_LAZY)  # read-only from here on
 
 
 def _lazy_attributes(package: str, namespace: dict, names: Optional[dict] = None):

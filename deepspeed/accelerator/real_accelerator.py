@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from deepspeed import process_state
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from deepspeed.utils.logging import logger
 
@@ -98,6 +99,7 @@ class _AcceleratorHolder:
 
 
 _holder = _AcceleratorHolder()
+process_state.register("deepspeed.accelerator.real_accelerator._holder", _holder, _holder.reset)
 
 
 def get_accelerator() -> DeepSpeedAccelerator:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -105,6 +106,7 @@ UPSTREAM_GLOBALS = {
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": UpstreamLossScaler,
     "deepspeed.runtime.fp16.loss_scaler.LossScalerBase": UpstreamLossScaler,
 }
+UPSTREAM_GLOBALS = types.MappingProxyType(UPSTREAM_GLOBALS)  # read-only from here on
 
 
 def to_plain(value: Any) -> Any:

@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import sys
+import types
 from collections import OrderedDict
 from typing import Optional, Union
 
@@ -63,6 +64,7 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _SIZE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+_SIZE_UNITS = types.MappingProxyType(_SIZE_UNITS)  # read-only from here on
 
 
 # ============================================================================ locating files
@@ -280,6 +282,7 @@ _OUTPUT_DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+_OUTPUT_DTYPES = types.MappingProxyType(_OUTPUT_DTYPES)  # read-only from here on
 
 
 def output_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:

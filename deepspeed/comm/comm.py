@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as _dist
 
+from deepspeed import process_state
 from deepspeed.comm import env_discovery, shm
 from deepspeed.utils.logging import logger
 
@@ -195,7 +196,8 @@ def init_distributed(
     _destroy_before_teardown()
 
 
-_EXIT_HOOK = []  # holds True once `_destroy_at_exit` is registered
+# Holds True once `_destroy_at_exit` is registered with atexit, which cannot be taken back.
+_EXIT_HOOK = process_state.register("deepspeed.comm.comm._EXIT_HOOK", [])
 # How long `_destroy_at_exit` leaves gloo's worker threads to release finished collectives
 # (they need the GIL for microseconds; the margin is for a descheduled thread on a busy host).
 _GLOO_RELEASE_S = 0.05
@@ -311,7 +313,10 @@ def new_group(ranks: Optional[list] = None, **kwargs: Any) -> ProcessGroup:
 # alive, and with it gloo's threads, which then met interpreter teardown and aborted the
 # process ("terminate called without an active exception"). A destroyed group that someone
 # still references keeps its entry until the next channel is made, which drops it.
-_SHM_CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Each entry lives and dies with its group (`destroy_process_group` drops them all).
+_SHM_CHANNELS: weakref.WeakKeyDictionary = process_state.register(
+    "deepspeed.comm.comm._SHM_CHANNELS", weakref.WeakKeyDictionary()
+)
 
 
 def _shm_channel(group: Optional[ProcessGroup], *tensors: torch.Tensor) -> Optional[shm.ShmChannel]:

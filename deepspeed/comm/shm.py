@@ -81,6 +81,7 @@ SUMMABLE = {
     torch.int8,
     torch.uint8,
 }
+SUMMABLE = frozenset(SUMMABLE)  # read-only from here on
 
 
 _KINDS = ("barrier", "all_gather", "reduce_scatter", "all_reduce", "broadcast")

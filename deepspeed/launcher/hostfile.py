@@ -62,10 +62,6 @@ def read_hostfile(path: str) -> Optional[dict[str, int]]:
         return parse_hostfile_text(f.read(), path)
 
 
-def pool_from_slots(hosts: dict[str, int]) -> ResourcePool:
-    return {host: list(range(slots)) for host, slots in hosts.items()}
-
-
 def parse_filter(spec: str, flag: str) -> dict[str, Optional[list[int]]]:
     """`'w0:0,2@w1'` -> `{'w0': [0, 2], 'w1': None}` (None: the whole host)."""
     chosen: dict[str, Optional[list[int]]] = {}

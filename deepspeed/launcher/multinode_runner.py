@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -412,3 +413,4 @@ RUNNERS: dict[str, type[MultiNodeRunner]] = {
     cls.name: cls
     for cls in (PDSHRunner, SSHRunner, OpenMPIRunner, HydraRunner, IMPIRunner, MVAPICHRunner, SlurmRunner)
 }
+RUNNERS = types.MappingProxyType(RUNNERS)  # read-only from here on

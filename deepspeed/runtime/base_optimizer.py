@@ -16,6 +16,8 @@ import functools
 import weakref
 from typing import Any, Optional
 
+from deepspeed import process_state
+
 
 class DeepSpeedOptimizer:
     """Marker base of every optimizer wrapper an engine builds (not a `torch.optim.Optimizer`)."""
@@ -74,7 +76,10 @@ def _recording_outcome(step: Any) -> Any:
     return recorded
 
 
-_LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()  # the one owner; entries vanish with their optimizer
+# The one owner; an entry vanishes with its optimizer, so there is nothing to reset.
+_LIVE_OPTIMIZERS: weakref.WeakSet = process_state.register(
+    "deepspeed.runtime.base_optimizer._LIVE_OPTIMIZERS", weakref.WeakSet()
+)
 
 
 def owner_of(param: Any) -> Optional[tuple]:

@@ -26,6 +26,7 @@ in zero_optimization).
 """
 
 import json
+import types
 from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
@@ -111,7 +112,9 @@ _COMM_DTYPES = {
     "bf16": torch.bfloat16,
     "bfp16": torch.bfloat16,  # upstream's historical spelling
 }
+_COMM_DTYPES = types.MappingProxyType(_COMM_DTYPES)  # read-only from here on
 _COMM_DTYPE_SYNONYMS = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+_COMM_DTYPE_SYNONYMS = types.MappingProxyType(_COMM_DTYPE_SYNONYMS)  # read-only from here on
 
 FreeForm = Optional[dict[str, Any]]
 
@@ -134,7 +137,9 @@ _AIO_DEFAULTS = {
     "overlap_events": True,
     "use_gds": False,
 }
+_AIO_DEFAULTS = types.MappingProxyType(_AIO_DEFAULTS)  # read-only from here on
 _CHECKPOINT_DEFAULTS = {"tag_validation": ("warn", "fail"), "load_universal": (False,)}
+_CHECKPOINT_DEFAULTS = types.MappingProxyType(_CHECKPOINT_DEFAULTS)  # read-only from here on
 
 
 def _aio_supported(value: Optional[dict]) -> bool:
@@ -277,7 +282,7 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         "comms_logger": _off("the communication logger"),
         "aio": Unsupported(
             "async I/O serves NVMe offload, which is not implemented; remove the block or keep "
-            f"upstream's defaults {_AIO_DEFAULTS}",
+            f"upstream's defaults {dict(_AIO_DEFAULTS)}",
             _aio_supported,
         ),
         "elasticity": _off("elastic training"),

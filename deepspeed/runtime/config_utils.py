@@ -66,6 +66,7 @@ from typing import Any, Callable, ClassVar, Optional
 from pydantic import AliasChoices, BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
+from deepspeed import process_state
 from deepspeed.utils.logging import log_dist, logger
 
 __all__ = [
@@ -425,6 +426,9 @@ class _OncePerProcess:
 
 
 CONFIG_WARNINGS = _OncePerProcess()
+process_state.register(
+    "deepspeed.runtime.config_utils.CONFIG_WARNINGS", CONFIG_WARNINGS, CONFIG_WARNINGS.reset
+)
 
 
 def warn_once(message: str) -> None:

@@ -29,6 +29,7 @@ import os
 import platform
 from typing import Optional
 
+from deepspeed import process_state
 from deepspeed.utils.logging import logger
 from deepspeed.utils.switches import switch_error, switched_off
 
@@ -39,7 +40,9 @@ TRIM_THRESHOLD_BYTES = 64 << 20  # twice that, as glibc's dynamic rule pairs the
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
-_applied: list = []  # the outcome once decided in this process: [None] applied, [reason] not
+# The outcome once decided in this process: [None] applied, [reason] not. Never reset: the
+# allocator settings, once made, stay for the life of the process.
+_applied: list = process_state.register("deepspeed.runtime.host_malloc._applied", [])
 
 
 def env_error() -> Optional[str]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import types
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -618,6 +619,7 @@ _SCHEDULES: dict[str, type] = {
     WARMUP_DECAY_LR: WarmupDecayLR,
     WARMUP_COSINE_LR: WarmupCosineLR,
 }
+_SCHEDULES = types.MappingProxyType(_SCHEDULES)  # read-only from here on
 
 
 def build_lr_scheduler(name: str, optimizer: Any, params: Optional[dict] = None) -> _Schedule:

@@ -51,6 +51,7 @@ import difflib
 import os
 import re
 import sys
+import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -68,7 +69,9 @@ GATHER = "GatheredParameters"
 INIT = "Init"
 _MODULE_PATHS = ("deepspeed.zero", "deepspeed.runtime.zero", "deepspeed.runtime.zero.partition_parameters")
 _TARGETS = {f"{mod}.{cls}": cls for mod in _MODULE_PATHS for cls in (GATHER, INIT)}
+_TARGETS = types.MappingProxyType(_TARGETS)  # read-only from here on
 _VARIABLE = {GATHER: "gather", INIT: "zero_init"}
+_VARIABLE = types.MappingProxyType(_VARIABLE)  # read-only from here on
 _MENTIONS_TARGET = re.compile(rf"\b({GATHER}|{INIT})\b")
 
 # Calls a condition may make and still count as free of side effects.

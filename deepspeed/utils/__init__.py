@@ -5,6 +5,8 @@ logger is imported lazily here, which keeps `deepspeed.comm` -> `deepspeed.utils
 free of a cycle and `import deepspeed.utils` light.
 """
 
+import types as _types
+
 from deepspeed import _lazy_attributes
 from deepspeed.utils.logging import log_dist, logger
 
@@ -37,6 +39,7 @@ _LAZY = {
         for what in ("fp32_param", "grad", "optimizer_state")
     },
 }
+_LAZY = _types.MappingProxyType(_LAZY)  # read-only from here on
 
 __all__ = [
     "groups",

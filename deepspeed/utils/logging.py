@@ -4,6 +4,8 @@ import logging
 import os
 import sys
 
+from deepspeed import process_state
+
 LOG_LEVEL_ENV = "DEEPSPEED_LOG_LEVEL"
 
 
@@ -21,6 +23,15 @@ def _create_logger(name: str = "DeepSpeed") -> logging.Logger:
 
 
 logger = _create_logger()
+
+
+def _reset_level() -> None:
+    """The level the environment asks for: a client library (transformers sets the deepspeed
+    logger to its own process log level) may have changed it, hiding warnings."""
+    logger.setLevel(os.environ.get(LOG_LEVEL_ENV, "WARNING").upper())
+
+
+process_state.register("deepspeed.utils.logging.logger (its level)", logger, _reset_level)
 
 
 def _rank() -> int:

@@ -119,11 +119,12 @@ def _reset_process_state() -> None:
 
     Ranks are pooled (see the note), so without this one test's changes would leak into the
     next: transformers, for one, sets the deepspeed logger's level to its own process log
-    level, which hides the warnings later tests check for.
+    level, which hides the warnings later tests check for. `deepspeed.process_state` lists
+    that state and puts it back.
     """
-    from deepspeed.utils.logging import LOG_LEVEL_ENV, logger
+    from deepspeed import process_state
 
-    logger.setLevel(os.environ.get(LOG_LEVEL_ENV, "WARNING").upper())
+    process_state.reset()
 
 
 def _run_task(task: tuple) -> None:

@@ -221,19 +221,11 @@ def test_every_module_is_in_a_layer(import_graph, layers):
     assert not uncovered, f"modules no row of docs/architecture.md's layer table covers: {uncovered}"
 
 
-# Named in the table ahead of the code: other parts of issue 40 write them (the lead drops this set at merge).
-NOT_WRITTEN_YET = {
-    "deepspeed.process_state",
-}
-
-
 def test_the_layer_table_names_only_real_modules(layers):
     """A row naming a module that does not exist is a typo or a leftover, and covers nothing."""
     files = _package_files()
-    missing = sorted(name for name in layers if name not in files and name not in NOT_WRITTEN_YET)
+    missing = sorted(name for name in layers if name not in files)
     assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
-    written = sorted(NOT_WRITTEN_YET & set(files))
-    assert not written, f"these exist now, drop them from NOT_WRITTEN_YET: {written}"
 
 
 def test_no_file_over_800_lines():

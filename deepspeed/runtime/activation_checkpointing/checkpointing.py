@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.utils.checkpoint
 
+from deepspeed import process_state
 from deepspeed.utils.logging import logger
 
 _RNG_TRACKER_NAME = "model-parallel-rng"
@@ -152,6 +153,9 @@ def reset() -> None:
     SETTINGS.__init__()
 
 
+process_state.register("deepspeed.runtime.activation_checkpointing.checkpointing.SETTINGS", SETTINGS, reset)
+
+
 def set_num_layers(nlayers: int) -> None:
     """Upstream sets the number of checkpointed layers for contiguous buffers; recorded only."""
     SETTINGS.num_checkpoints = int(nlayers)
@@ -270,6 +274,9 @@ class RNGStatesTracker:
 
 
 _RNG_TRACKER = RNGStatesTracker()
+process_state.register(
+    "deepspeed.runtime.activation_checkpointing.checkpointing._RNG_TRACKER", _RNG_TRACKER, _RNG_TRACKER.reset
+)
 
 
 def get_cuda_rng_tracker() -> RNGStatesTracker:

@@ -270,7 +270,7 @@ def _check_dynamic_args(init_scale, scale_factor, scale_window, min_scale, delay
         raise ValueError(f"init_scale={init_scale!r} is below min_scale={min_scale!r}")
 
 
-_DYNAMIC_ARG_KEYS = [
+_DYNAMIC_ARG_KEYS = (
     INITIAL_LOSS_SCALE,
     "scale_factor",
     SCALE_WINDOW,
@@ -278,7 +278,7 @@ _DYNAMIC_ARG_KEYS = [
     DELAYED_SHIFT,
     CONSECUTIVE_HYSTERESIS,
     "raise_error_at_min_scale",
-]
+)
 
 
 def CreateLossScaler(
@@ -298,6 +298,8 @@ def CreateLossScaler(
         args = dict(dynamic_loss_args or {})
         unknown = sorted(set(args) - set(_DYNAMIC_ARG_KEYS))
         if unknown:
-            raise ValueError(f"unknown dynamic_loss_args key(s) {unknown}; allowed: {_DYNAMIC_ARG_KEYS}")
+            raise ValueError(
+                f"unknown dynamic_loss_args key(s) {unknown}; allowed: {list(_DYNAMIC_ARG_KEYS)}"
+            )
         return DynamicLossScaler(dtype=dtype, **args)
     return LossScaler(scale=static_loss_scale if dtype == torch.half else 1.0)

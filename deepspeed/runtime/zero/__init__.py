@@ -5,6 +5,8 @@ ones; the public names (`deepspeed.runtime.zero.GatheredParameters`, ...) and su
 resolve on first attribute access.
 """
 
+import types as _types
+
 from deepspeed import _lazy_attributes
 
 _PUBLIC = {  # name -> the module that defines it
@@ -18,6 +20,7 @@ _PUBLIC = {  # name -> the module that defines it
     "TiledLinear": "deepspeed.runtime.zero.tiling",
     "TiledLinearReturnBias": "deepspeed.runtime.zero.tiling",
 }
+_PUBLIC = _types.MappingProxyType(_PUBLIC)  # read-only from here on
 
 
 __getattr__ = _lazy_attributes(

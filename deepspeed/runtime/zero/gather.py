@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 
 from deepspeed import comm as dist
+from deepspeed import process_state
 from deepspeed.runtime.zero.lifecycle import (
     ZeroParamState,
     ZeroParamStatus,
@@ -63,6 +64,7 @@ def zero_states(params: Iterable) -> list:
 
 
 _DEVICES: dict = {}  # device name -> torch.device: each gather asks, and making one costs more than the lookup
+process_state.register("deepspeed.runtime.zero.gather._DEVICES", _DEVICES, _DEVICES.clear)
 
 
 def _compute_device() -> torch.device:
@@ -171,6 +173,7 @@ class _ScratchPool:
 
 
 SCRATCH = _ScratchPool()
+process_state.register("deepspeed.runtime.zero.gather.SCRATCH", SCRATCH, SCRATCH.clear)
 
 
 def _storage_refs(tensor: torch.Tensor) -> int:
@@ -281,6 +284,7 @@ class _FullPool:
 
 
 FULLS = _FullPool()
+process_state.register("deepspeed.runtime.zero.gather.FULLS", FULLS, FULLS.clear)
 
 
 def drop_pooled_buffers() -> None:

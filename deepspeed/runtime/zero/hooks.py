@@ -80,11 +80,26 @@ parameter used outside any hooked module. So a gradient hook on every partitione
 gathers one that is not available when its gradient arrives (`gather_for_gradient`), and the
 engine's post-accumulate hook releases it once the gradient is taken (`release_after_gradient`).
 Every rank runs the same graph, so every rank issues these gathers in the same order.
+
+[Note: the pass phases]
+The coordinator's `phase` says where it stands in a pass, and moves only in
+`_begin_outer_forward`, `_end_outer_forward` and `end_pass`:
+- IDLE -> FORWARD when an outer forward starts (the access hook is pushed for its length);
+- FORWARD -> AWAITING_BACKWARD when it returns with grad enabled; without grad (eval,
+  `no_grad` generation) the pass is closed there, back to IDLE;
+- AWAITING_BACKWARD -> RECOMPUTE when an outer forward starts inside backward (activation
+  checkpointing recomputing a region), and back to AWAITING_BACKWARD when it returns;
+- AWAITING_BACKWARD -> FORWARD when an outer forward starts outside backward: the last pass
+  had no backward of this engine, so it is closed first (see `end_pass`);
+- a FORWARD that started inside a backward (another model's) returns to IDLE;
+- `end_pass` (the engine's `finish_backward`, or the cases above) -> IDLE from any phase.
+Each `_Hold` names the part of the pass it belongs to with a `HoldKind`.
 """
 
 from __future__ import annotations
 
 import bisect
+import enum
 import types
 from typing import Any, Optional
 
@@ -165,14 +180,46 @@ def _on_gradients(tensors: list, fn: Any, mode: str) -> None:
         register_multi_grad_hook(tensors, fn, mode=mode)
 
 
+class HoldKind(str, enum.Enum):
+    """The part of a pass a `_Hold` belongs to. A `str`, so a kind reads, prints and compares
+    as its value (`hold.phase == "forward"`), as the plain strings it replaced did."""
+
+    FORWARD = "forward"  # a submodule's forward
+    BACKWARD = "backward"  # a submodule's backward
+    RECOMPUTE = "recompute"  # frozen parameters a forward recomputed inside backward saved
+    GRADIENT = "gradient"  # a parameter a gradient reached while nothing held it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PassPhase(enum.Enum):
+    """Where a `ParameterCoordinator` stands in a pass ([Note: the pass phases])."""
+
+    IDLE = "idle"  # between passes: no forward runs and no backward is awaited
+    FORWARD = "forward"  # an outer forward runs; no backward is awaited
+    AWAITING_BACKWARD = "awaiting backward"  # a grad-enabled forward returned; no backward closed the pass
+    RECOMPUTE = "recompute"  # a forward runs inside the awaited backward (activation checkpointing)
+
+
+_FORWARD_RUNNING = (PassPhase.FORWARD, PassPhase.RECOMPUTE)
+
+
+class TracePhase(enum.Enum):
+    """Whether the prefetcher records the fetch order (the first pass) or replays it."""
+
+    RECORDING = "recording"
+    REPLAYING = "replaying"
+
+
 class _Hold:
     """One owner of gathered parameters: a submodule's forward or its backward (see the notes)."""
 
     __slots__ = ("module", "phase", "states")
 
-    def __init__(self, module: nn.Module, phase: str, states: list) -> None:
+    def __init__(self, module: nn.Module, phase: HoldKind, states: list) -> None:
         self.module = module
-        self.phase = phase  # "forward", "backward", "recompute" or "gradient"
+        self.phase = phase
         self.states = states  # ZeroParamStates this owner holds, one hold each
 
     def __repr__(self) -> str:
@@ -189,7 +236,7 @@ class _Prefetcher:
         self.trace: list = []  # per fetch, in order: the list of states fetched
         self.elems_before: list = []  # elements fetched before each trace entry (cumulative)
         self.uses: dict = {}  # ds_id -> trace positions that fetch it, ascending
-        self.recording = True
+        self.trace_phase = TracePhase.RECORDING  # until the first pass ends (finish_recording)
         self.position = 0
         # Trace entries before this one were examined by prefetch_next in this pass: each of
         # their parameters was held or gathered ahead then, so the next call starts here
@@ -202,6 +249,10 @@ class _Prefetcher:
 
     def __repr__(self) -> str:
         return "prefetcher"
+
+    @property
+    def recording(self) -> bool:
+        return self.trace_phase is TracePhase.RECORDING
 
     def record_or_advance(self, states: list) -> None:
         if self.recording:
@@ -216,7 +267,7 @@ class _Prefetcher:
                 return
 
     def finish_recording(self) -> None:
-        self.recording = False
+        self.trace_phase = TracePhase.REPLAYING
         total = 0
         for index, entry in enumerate(self.trace):
             self.elems_before.append(total)
@@ -312,6 +363,7 @@ class ParameterCoordinator:
         on_leaf_backward_done: Optional[Any] = None,
     ) -> None:
         self.module = module
+        self.phase = PassPhase.IDLE  # moves only as [Note: the pass phases] says
         self.prefetcher = _Prefetcher(
             int(prefetch_bucket_size), int(max_live_parameters), int(max_reuse_distance)
         )
@@ -319,7 +371,6 @@ class ParameterCoordinator:
         self.backward_holds: dict = {}  # id(module) -> [_Hold] for its backward, innermost last
         # id(module) -> [_Hold] of frozen parameters a recomputed forward saved (see the note)
         self.recompute_holds: dict = {}
-        self.awaiting_backward = False  # a grad-enabled forward finished and no backward closed it
         self.under_leaf: set = _under_leaves(module)  # ids of modules inside a leaf: they hold nothing
         # The engine's: called with a leaf module once the backward of its last forward use in
         # the pass is over (leaf_grads.py); id(leaf) -> forward uses whose backward is pending.
@@ -428,11 +479,11 @@ class ParameterCoordinator:
     # ------------------------------------------------------------------ forward
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        if not self.forward_holds:
+        if self.phase not in _FORWARD_RUNNING:
             self._begin_outer_forward()
         if id(module) not in self.under_leaf and z3_leaf_module(module) and not _in_backward():
             self.leaf_uses[id(module)] = self.leaf_uses.get(id(module), 0) + 1
-        hold = _Hold(module, "forward", self._states_for(module))
+        hold = _Hold(module, HoldKind.FORWARD, self._states_for(module))
         self.forward_holds.append(hold)
         if not hold.states:
             return None
@@ -464,7 +515,7 @@ class ParameterCoordinator:
         """A forward recomputed inside backward: its frozen parameters stay gathered (see the note)."""
         frozen = [s for s in hold.states if not s.param.requires_grad]
         if frozen:
-            keep = _Hold(hold.module, "recompute", frozen)
+            keep = _Hold(hold.module, HoldKind.RECOMPUTE, frozen)
             gather.fetch_states(frozen, keep)  # one more hold on gathered tensors: no collective
             self.recompute_holds.setdefault(id(hold.module), []).append(keep)
 
@@ -481,19 +532,26 @@ class ParameterCoordinator:
         return None
 
     def _begin_outer_forward(self) -> None:
-        if not _in_backward():
+        """IDLE -> FORWARD, AWAITING_BACKWARD -> RECOMPUTE or FORWARD ([Note: the pass phases])."""
+        in_backward = _in_backward()
+        if not in_backward:
             self.under_leaf = _under_leaves(self.module)  # leaves marked since the last pass count
             self._states_cache.clear()  # parameters registered or replaced since count too
         ACCESS_HOOK.push(self._on_access)
-        if self.awaiting_backward and not _in_backward():
+        if self.phase is PassPhase.AWAITING_BACKWARD and not in_backward:
             self.end_pass()  # the last pass had no backward (eval, generate): close it
+        awaiting = self.phase is PassPhase.AWAITING_BACKWARD
+        self.phase = PassPhase.RECOMPUTE if awaiting else PassPhase.FORWARD
 
     def _end_outer_forward(self) -> None:
+        """FORWARD or RECOMPUTE -> AWAITING_BACKWARD or IDLE ([Note: the pass phases])."""
         ACCESS_HOOK.pop(self._on_access)
+        awaiting = self.phase is PassPhase.RECOMPUTE
+        self.phase = PassPhase.AWAITING_BACKWARD if awaiting else PassPhase.IDLE  # as before the forward
         if _in_backward():
             return  # a recomputation for activation checkpointing, inside the pass's backward
         if torch.is_grad_enabled():
-            self.awaiting_backward = True
+            self.phase = PassPhase.AWAITING_BACKWARD
         else:
             self.end_pass()
 
@@ -542,7 +600,7 @@ class ParameterCoordinator:
     # ------------------------------------------------------------------ backward
 
     def enter_backward(self, module: nn.Module) -> None:
-        hold = _Hold(module, "backward", self._states_for(module))
+        hold = _Hold(module, HoldKind.BACKWARD, self._states_for(module))
         self._fetch(hold)
         self.backward_holds.setdefault(id(module), []).append(hold)
 
@@ -570,7 +628,7 @@ class ParameterCoordinator:
         state = param._zero_state
         if state.status is ZeroParamStatus.AVAILABLE or id(state) in self.gradient_holds:
             return  # whole already (a submodule's backward, a persistent or user-gathered one)
-        hold = _Hold(self.module, "gradient", [state])
+        hold = _Hold(self.module, HoldKind.GRADIENT, [state])
         gather.fetch_states(hold.states, hold)
         self.gradient_holds[id(state)] = hold
 
@@ -607,10 +665,10 @@ class ParameterCoordinator:
             gather.release_states(hold.states, hold)
         self.gradient_holds.clear()
         self.leaf_uses.clear()
-        if self.forward_holds:
-            self.forward_holds.clear()
+        if self.phase in _FORWARD_RUNNING:
             ACCESS_HOOK.pop(self._on_access)
-        self.awaiting_backward = False
+        self.forward_holds.clear()
+        self.phase = PassPhase.IDLE
         if self.prefetcher.recording and self.prefetcher.trace:
             self.prefetcher.finish_recording()
         self.prefetcher.end_pass()

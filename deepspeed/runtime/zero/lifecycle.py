@@ -23,6 +23,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from deepspeed import process_state
+
 
 class ZeroParamStatus(enum.Enum):
     AVAILABLE = 1  # the full tensor is in param.data
@@ -53,11 +55,10 @@ class _IdCounter:
     def next(self) -> int:
         return next(self._counter)
 
-    def reset(self) -> None:
-        self._counter = itertools.count()
-
 
 PARAM_IDS = _IdCounter()
+# ds_ids stay unique for the life of the process (optimizer state and checkpoints key by them).
+process_state.register("deepspeed.runtime.zero.lifecycle.PARAM_IDS", PARAM_IDS)
 
 
 def empty_placeholder(tensor: torch.Tensor) -> torch.Tensor:

@@ -14,21 +14,42 @@ do not have the problem.
 themselves; the engine gathers them again around the module's backward (hooks.py), which is
 when autograd reads them. The ZeRO-3 engine routes every `nn.Linear` whose `forward` is
 torch's through it (`route_linears`), and every `nn.MultiheadAttention` whose `forward` is
-torch's runs with `torch.nn.functional.linear` pointing at it for the length of its forward
-(its projections call that function with the parameters, not the module; a cross-attention
-projection of one chunk of `in_proj_weight` still saves that chunk, a view). The same role as
-upstream's `mem_efficient_linear`, which replaces `torch.nn.functional.linear` for the whole
-process; here only the engine's own modules change. Forward results are bitwise those of
-`F.linear`; the gradients are the same products, summed in the order the matmuls choose.
+torch's through a copy of that forward whose `F.linear` is this one ([Note: attention's
+projections]). The same role as upstream's `mem_efficient_linear`, which replaces
+`torch.nn.functional.linear` for the whole process; here only the engine's own modules
+change. Forward results are bitwise those of `F.linear`; the gradients are the same products,
+summed in the order the matmuls choose.
+
+[Note: attention's projections]
+`nn.MultiheadAttention` never calls its projections as modules: `F.multi_head_attention_forward`
+(and the `_in_projection*` helpers it calls) pass the weights to `linear`, a name they look up
+in `torch.nn.functional`'s globals at each call (a cross-attention projection of one chunk of
+`in_proj_weight` saves that chunk, a view). Assigning `torch.nn.functional.linear` for the
+length of the forward reaches them, but for every thread of the process at once, and it
+would outlive the forward if a signal landed between the two assignments. So a routed
+attention runs copies of those functions instead: the same code objects, bound to a
+namespace (`_NamespaceWith`) that answers `linear` with `linear_saving_parameter` and every
+other name from the module itself at the time of the lookup, so nothing global changes and
+a later patch of another `F` function is still seen. Two other routes were tried and do not
+work: a `TorchFunctionMode` entered around the forward is suspended while it handles
+`multi_head_attention_forward` (which dispatches torch functions itself), so the `linear`
+calls inside are never seen, and an active mode turns off attention's inference fast path;
+`ZeroParameter.__torch_function__` is not called for gathered parameters, which a running
+attention's are.
 """
 
 from __future__ import annotations
 
+import builtins
 import functools
+import sys
+import types
+from typing import Any
 
 import torch
 from torch import nn
 
+from deepspeed import process_state
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from deepspeed.runtime.zero.parameter import ACCESS_HOOK, is_zero_param
 
@@ -92,13 +113,66 @@ def _linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return linear_saving_parameter(input, self.weight, self.bias)
 
 
+class _NamespaceWith(dict):
+    """The globals of `module` as copies of its functions see them ([Note: attention's
+    projections]): the names given are replaced; any other name is read from the module when it
+    is looked up, and a function of the module comes back as a copy bound here, so that what
+    it calls sees the replacements too."""
+
+    def __init__(self, module: types.ModuleType, replaced: dict) -> None:
+        super().__init__(replaced)
+        self._module_globals = vars(module)
+        # function name -> (the module's function, its copy bound here); a function the
+        # module rebinds later is copied again
+        self._copies: dict = {}
+
+    def __missing__(self, name: str) -> Any:
+        value = self._module_globals.get(name, _ABSENT)
+        if value is _ABSENT:
+            return vars(builtins)[name]  # what the lookup would find next (KeyError if none)
+        return self.bind(value) if isinstance(value, types.FunctionType) else value
+
+    def bind(self, function: types.FunctionType) -> types.FunctionType:
+        """`function`'s copy bound here; `function` itself when it is not the module's."""
+        if function.__globals__ is not self._module_globals:
+            return function
+        cached = self._copies.get(function.__name__)
+        if cached is None or cached[0] is not function:
+            copy = types.FunctionType(
+                function.__code__, self, function.__name__, function.__defaults__, function.__closure__
+            )
+            copy.__kwdefaults__ = function.__kwdefaults__
+            copy.__qualname__ = function.__qualname__
+            cached = self._copies[function.__name__] = (function, copy)
+        return cached[1]
+
+
+class _ModuleView:
+    """Attribute access over a `_NamespaceWith`: what `F.name` reads in a copied function."""
+
+    def __init__(self, namespace: _NamespaceWith) -> None:
+        self._namespace = namespace
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._namespace[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+_ABSENT = object()
+_FUNCTIONAL = _NamespaceWith(nn.functional, {"linear": linear_saving_parameter})
+# nn.MultiheadAttention.forward reaches the functional module as `F`.
+_ATTENTION_MODULE = sys.modules[nn.MultiheadAttention.__module__]
+_ATTENTION = _NamespaceWith(_ATTENTION_MODULE, {"F": _ModuleView(_FUNCTIONAL)})
+# Per process, with nothing to reset: each caches copies of torch's functions, and a function
+# torch's module rebinds is copied again at its next lookup.
+process_state.register("deepspeed.runtime.zero.linear._FUNCTIONAL", _FUNCTIONAL)
+process_state.register("deepspeed.runtime.zero.linear._ATTENTION", _ATTENTION)
+
+
 def _attention_forward(self: nn.MultiheadAttention, *args, **kwargs):
-    previous = nn.functional.linear
-    nn.functional.linear = linear_saving_parameter  # what F.multi_head_attention_forward calls
-    try:
-        return nn.MultiheadAttention.forward(self, *args, **kwargs)
-    finally:
-        nn.functional.linear = previous
+    return _ATTENTION.bind(nn.MultiheadAttention.forward)(self, *args, **kwargs)
 
 
 _ROUTES = ((nn.Linear, _linear_forward), (nn.MultiheadAttention, _attention_forward))

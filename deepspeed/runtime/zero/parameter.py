@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from deepspeed import comm as dist
+from deepspeed import process_state
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.lifecycle import ZeroParamState, ZeroParamStatus, ZeroParamType, empty_placeholder
 
@@ -62,6 +63,8 @@ class _InPlaceInitHook:
 
 
 IN_PLACE_INIT = _InPlaceInitHook()
+# Set only while an Init is active; _INIT_STACK's reset (partition_parameters.py) clears it.
+process_state.register("deepspeed.runtime.zero.parameter.IN_PLACE_INIT", IN_PLACE_INIT)
 
 
 class _AccessHook:
@@ -116,6 +119,8 @@ class _AccessHook:
 
 
 ACCESS_HOOK = _AccessHook()
+# Pushed and popped around each forward by the coordinator (hooks.py); empty between passes.
+process_state.register("deepspeed.runtime.zero.parameter.ACCESS_HOOK", ACCESS_HOOK)
 
 _NOT_INTERCEPTED = object()
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from deepspeed import comm as dist
+from deepspeed import process_state
 from deepspeed.accelerator import get_accelerator  # noqa: F401 - an upstream name clients read here
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
 from deepspeed.runtime.zero import gather
@@ -251,6 +252,9 @@ class _InitStack:
 
 
 _INIT_STACK = _InitStack()
+process_state.register(
+    "deepspeed.runtime.zero.partition_parameters._INIT_STACK", _INIT_STACK, _INIT_STACK.reset
+)
 
 
 def shutdown_init_context() -> None:

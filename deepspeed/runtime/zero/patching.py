@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from typing import Callable, Optional
 
 import torch
 from torch import nn
+
+from deepspeed import process_state
 
 FACTORY_NAMES = ("empty", "zeros", "ones", "full", "arange", "eye", "randn", "tensor")
 
@@ -38,7 +41,9 @@ _orig_torch_arange = torch.arange
 _orig_torch_eye = torch.eye
 _orig_torch_randn = torch.randn
 _orig_torch_tensor = torch.tensor
-ORIGINAL_FACTORIES = {name: globals()[f"_orig_torch_{name}"] for name in FACTORY_NAMES}
+ORIGINAL_FACTORIES = types.MappingProxyType(
+    {name: globals()[f"_orig_torch_{name}"] for name in FACTORY_NAMES}
+)
 _orig_module_apply = nn.Module.apply
 _orig_module_to_empty = nn.Module.to_empty
 
@@ -242,6 +247,7 @@ class Patches:
 
 
 PATCHES = Patches()
+process_state.register("deepspeed.runtime.zero.patching.PATCHES", PATCHES, PATCHES.remove_all)
 
 
 def originals_in_place() -> bool:

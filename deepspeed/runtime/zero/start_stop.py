@@ -15,6 +15,8 @@ import warnings
 import weakref
 from typing import Optional
 
+from deepspeed import process_state
+
 
 def _caller_site(skip_files: tuple) -> str:
     """`file:line in function` of the first frame outside this package's context code.
@@ -61,6 +63,7 @@ class _LiveRegistry:
 
 
 _REGISTRY = _LiveRegistry()
+process_state.register("deepspeed.runtime.zero.start_stop._REGISTRY", _REGISTRY, _REGISTRY.reset)
 
 
 def live_contexts() -> list:
