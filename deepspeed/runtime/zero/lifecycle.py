@@ -46,19 +46,9 @@ def shard_sizes(numel: int, world_size: int) -> tuple:
     return (numel + padding) // world_size, padding
 
 
-class _IdCounter:
-    """Hands out `ds_id`s; equal on all ranks because construction order is. One owner, resettable."""
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def next(self) -> int:
-        return next(self._counter)
-
-
-PARAM_IDS = _IdCounter()
-# ds_ids stay unique for the life of the process (optimizer state and checkpoints key by them).
-process_state.register("deepspeed.runtime.zero.lifecycle.PARAM_IDS", PARAM_IDS)
+# Hands out `ds_id`s, equal on all ranks because construction order is; unique for the life of
+# the process (optimizer state and checkpoints key by them), so never reset.
+PARAM_IDS = process_state.register("deepspeed.runtime.zero.lifecycle.PARAM_IDS", itertools.count())
 
 
 def empty_placeholder(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,7 +96,7 @@ class ZeroParamState:
         shard_out: Optional[torch.Tensor] = None,
     ) -> None:
         self.param = param
-        self.ds_id = PARAM_IDS.next()
+        self.ds_id = next(PARAM_IDS)
         self.shape = param.shape
         self.numel = param.numel()
         self.group = group
@@ -135,7 +125,7 @@ class ZeroParamState:
         state = cls.__new__(cls)
         state.__dict__.update(source.__dict__)
         state.param = param
-        state.ds_id = PARAM_IDS.next()
+        state.ds_id = next(PARAM_IDS)
         state._set_shard(source.shard.clone())
         state.placeholder = empty_placeholder(source.placeholder)
         state.status = ZeroParamStatus.NOT_AVAILABLE
