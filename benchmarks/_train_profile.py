@@ -61,7 +61,12 @@ _TARGETS = (
         "_global_norm_of_scaled_grads",
         "optim: global grad norm",
     ),
-    ("deepspeed.runtime.zero.optimizer", "ZeroStage3Optimizer", "_write_back_masters", "optim: masters->shards"),
+    (
+        "deepspeed.runtime.zero.optimizer",
+        "ZeroStage3Optimizer",
+        "_write_back_masters",
+        "optim: masters->shards",
+    ),
     ("deepspeed.runtime.zero.optimizer", "ZeroStage3Optimizer", "zero_grad", "optim: zero_grad"),
     ("torch.optim", "AdamW", "step", "optim: torch AdamW.step"),
     ("deepspeed.comm", "", "all_gather_into_tensor", "comm: all_gather (sync or launch)"),
