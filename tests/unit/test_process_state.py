@@ -106,6 +106,7 @@ def test_every_module_level_state_is_registered_or_a_constant():
 def test_reset_puts_registered_state_back():
     from deepspeed.runtime.activation_checkpointing import checkpointing
     from deepspeed.runtime.config_utils import CONFIG_WARNINGS
+    from deepspeed.runtime.zero.parameter import ACCESS_HOOK
     from deepspeed.utils.logging import logger
 
     before = logger.level
@@ -113,10 +114,12 @@ def test_reset_puts_registered_state_back():
         logger.setLevel("CRITICAL")
         CONFIG_WARNINGS.warn("process_state test warning")
         checkpointing.configure(None, partition_activations=True)
+        ACCESS_HOOK.push(print)  # as a forward that raised before popping its hook leaves it
         process_state.reset()
         assert logger.level == before
         assert "process_state test warning" not in CONFIG_WARNINGS._seen
         assert not checkpointing.is_configured()
+        assert ACCESS_HOOK.hook is None and not ACCESS_HOOK._stack
     finally:
         logger.setLevel(before)
         checkpointing.reset()

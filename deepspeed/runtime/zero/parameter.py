@@ -117,10 +117,15 @@ class _AccessHook:
         self._stack.pop()
         self.hook = self._stack[-1] if self._stack else None
 
+    def clear(self) -> None:
+        """Forget every pushed hook (process_state.reset(): a forward that raised past its pop)."""
+        self._stack.clear()
+        self.hook = None
+
 
 ACCESS_HOOK = _AccessHook()
 # Pushed and popped around each forward by the coordinator (hooks.py); empty between passes.
-process_state.register("deepspeed.runtime.zero.parameter.ACCESS_HOOK", ACCESS_HOOK)
+process_state.register("deepspeed.runtime.zero.parameter.ACCESS_HOOK", ACCESS_HOOK, ACCESS_HOOK.clear)
 
 _NOT_INTERCEPTED = object()
 
