@@ -155,8 +155,14 @@ def _rank_main(rank, size, port, backend, init_dist, tasks, results, stack_path)
         results.put((rank, "error", "init_distributed failed:\n" + traceback.format_exc()))
         return
     results.put((rank, "ready", ""))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return  # the test session was killed without stopping its pool: do not linger
+            continue
         if task is None:
             return
         try:
