@@ -303,9 +303,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         "tensor_parallel": _off("AutoTP tensor parallelism"),
         # Upstream 0.19.8 keys: known, so that a non-default value is refused rather than
         # ignored as an unknown key (config_utils' [Note: unknown and dotted keys]).
-        "gradient_allreduce_op": Unsupported(
-            "gradients are always averaged over the data-parallel ranks; remove the key or set it to 'mean'"
-        ),
         "managed_gradient_accumulation": Unsupported(
             "the engine always counts micro-steps and steps the optimizer at the accumulation "
             "boundary; remove the key or set it to true"
@@ -501,7 +498,8 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     """Upstream AutoTP training settings; refused unless absent, empty or switched off."""
 
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"
-    """Upstream: average ("mean") or sum gradients over ranks; "sum" is refused (always averaged)."""
+    """Whether the data-parallel reduction averages gradients over the ranks ("mean", as plain
+    data parallelism) or sums them ("sum"); any case, as upstream."""
 
     managed_gradient_accumulation: bool = True
     """Upstream: false leaves accumulation boundaries to the client; refused (always managed)."""
@@ -522,6 +520,11 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     @classmethod
     def _legacy_zero(cls, value: Any) -> Any:
         return legacy_zero_value(value)
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _lower_allreduce_op(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")
     @classmethod
@@ -664,6 +667,7 @@ class DeepSpeedConfig:
             "dump_state",
             "prescale_gradients",
             "gradient_predivide_factor",
+            "gradient_allreduce_op",
             "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer",
             "disable_allgather",

@@ -169,6 +169,12 @@ class EngineQueries:
     def gradient_predivide_factor(self) -> float:
         return self._config.gradient_predivide_factor
 
+    @property
+    def gradient_average(self) -> bool:
+        """Upstream's flag: True where gradients are averaged over the ranks, False under
+        `gradient_allreduce_op: "sum"`."""
+        return self._config.gradient_allreduce_op == "mean"
+
     def wall_clock_breakdown(self) -> bool:
         return self._config.wall_clock_breakdown
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import enum
+import itertools
 import logging
 import os
 import subprocess
@@ -377,6 +378,17 @@ class _Net(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))).pow(2).mean()
 
 
+class _WeightTimesInput(torch.nn.Module):
+    """loss = (weight * x).sum() with weight 0: one SGD step of lr 1 leaves minus the reduced input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight * x).sum()
+
+
 def _train(extra_config: dict, zero_extra: dict | None = None, steps: int = 3):
     """Train `_Net` under ZeRO-3; returns (engine, full parameters after training)."""
     ws, rank = dist.get_world_size(), dist.get_rank()
@@ -409,6 +421,32 @@ class TestActedOnKeys(DistributedTest):
             _, scaled = _train(extra)
             for name, p in plain.items():
                 torch.testing.assert_close(scaled[name], p, rtol=1e-6, atol=1e-7, msg=f"{extra} {name}")
+
+    def test_gradient_allreduce_op_sum_sums_over_ranks(self):
+        """`gradient_allreduce_op`: "mean" averages the ranks' gradients, "sum" (any case) sums
+        them, at every stage and with each of upstream's scaling paths."""
+        ws, rank = dist.get_world_size(), dist.get_rank()
+        inputs = [torch.tensor([1.0, 2.0]) * (r + 1) for r in range(ws)]  # different on each rank
+        total = sum(inputs)
+        scalings = ({}, {"prescale_gradients": True}, {"gradient_predivide_factor": 2.0})
+        for stage, op, scaling in itertools.product((0, 1, 2, 3), ("mean", "SUM"), scalings):
+            cfg = {
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_clipping": 0.0,
+                "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+                "zero_optimization": {"stage": stage},
+                "gradient_allreduce_op": op,
+                **scaling,
+            }
+            model = _WeightTimesInput()
+            engine, *_ = deepspeed.initialize(model=model, config=cfg)
+            assert engine.gradient_average is (op == "mean")
+            engine.backward(engine(inputs[rank]))
+            engine.step()
+            with deepspeed.zero.GatheredParameters([engine.module.weight]):
+                weight = engine.module.weight.detach().clone()
+            expected = -total if op == "SUM" else -total / ws
+            torch.testing.assert_close(weight, expected, msg=f"stage {stage}, {op}, {scaling}")
 
     def test_fp16_gradients_are_averaged_before_they_can_overflow(self):
         """Each rank's scaled gradient (49152) fits fp16; their sum would not. Upstream divides

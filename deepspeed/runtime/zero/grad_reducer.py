@@ -26,7 +26,8 @@ Upstream's ``prescale_gradients`` and ``gradient_predivide_factor``: by default 
 and with prescaling, each rank divides its gradients by the world size before the sum, as
 upstream's reduce-scatter paths do; with a factor `f` other than 1 it divides by `f` before
 and multiplies by ``f / world_size`` after. Either way the result is the average, up to
-rounding. Dividing first is what keeps an fp16 sum from overflowing where each rank's
+rounding; with ``gradient_allreduce_op: "sum"`` it is then multiplied by the world size, the
+sum. Dividing first is what keeps an fp16 sum from overflowing where each rank's
 gradient is finite: summing first made the loss scale and the skipped steps depend on the
 number of ranks (two ranks' 49152 overflowed fp16; their average does not).
 """
@@ -70,6 +71,7 @@ class GradientReducer:
         overlap_comm: bool = False,
         prescale_gradients: bool = False,
         predivide_factor: float = 1.0,
+        sum_over_ranks: bool = False,
         settle: Optional[Callable] = None,
     ) -> None:
         if predivide_factor <= 0:
@@ -84,6 +86,7 @@ class GradientReducer:
         self.overlap_comm = overlap_comm
         self.prescale_gradients = prescale_gradients
         self.predivide_factor = float(predivide_factor)
+        self.sum_over_ranks = sum_over_ranks  # gradient_allreduce_op "sum": the sum, not the average
         self._pending: dict = {}  # (id(group), dtype) -> list of (state, grad)
         self._pending_elems: dict = {}
         self._in_flight: list = []  # _InFlight, oldest first
@@ -105,13 +108,18 @@ class GradientReducer:
             overlap_comm=bool(zero.overlap_comm),
             prescale_gradients=config.prescale_gradients,
             predivide_factor=config.gradient_predivide_factor,
+            sum_over_ranks=config.gradient_allreduce_op == "sum",
         )
 
     def scales(self, world: int) -> tuple:
         """(before, after) the sum; see [Note: gradient scaling around the reduction]."""
         if self.prescale_gradients or self.predivide_factor == 1.0:
-            return 1.0 / world, 1.0
-        return 1.0 / self.predivide_factor, self.predivide_factor / world
+            before, after = 1.0 / world, 1.0
+        else:
+            before, after = 1.0 / self.predivide_factor, self.predivide_factor / world
+        if self.sum_over_ranks:
+            after *= world  # divided first all the same: the fp16 headroom does not depend on the op
+        return before, after
 
     def add(self, state: ZeroParamState, grad: torch.Tensor) -> None:
         dtype = self.comm_dtype or grad.dtype
