@@ -33,7 +33,6 @@ import torch
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from deepspeed.runtime.config_loading import load_config_dict, resolve_batch_sizes, resolve_world_size
-from deepspeed.runtime.config_precision import DeepSpeedBF16Config, DeepSpeedFP16Config, precision_attributes
 from deepspeed.runtime.config_utils import (
     DeepSpeedConfigError,
     DeepSpeedConfigModel,
@@ -46,6 +45,7 @@ from deepspeed.runtime.config_utils import (
     strip_auto_values,
     unsupported_when_true,
 )
+from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config, precision_attributes
 from deepspeed.runtime.zero.config import (
     ZERO_OPTIMIZATION,
     DeepSpeedZeroConfig,

@@ -147,6 +147,18 @@ def test_bfloat16_block_alias():
     assert cfg.bfloat16_enabled
 
 
+def test_get_bfloat16_config_reads_either_key_of_a_raw_dict():
+    from deepspeed.runtime.precision_config import get_bfloat16_config
+
+    assert get_bfloat16_config({"bf16": {"enabled": True}}).enabled
+    assert get_bfloat16_config(
+        {"bfloat16": {"enabled": True, "immediate_grad_update": True}}
+    ).immediate_grad_update
+    assert not get_bfloat16_config({}).enabled
+    with pytest.raises(ValueError, match="bf16.enabled"):
+        get_bfloat16_config({"bf16": {"enabled": "sometimes"}})
+
+
 def test_overlap_comm_defaults_by_stage():
     assert zero({"stage": 3}).overlap_comm is True
     assert zero({"stage": 2}).overlap_comm is False

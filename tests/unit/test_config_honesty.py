@@ -45,7 +45,7 @@ CONFIG_MODULES = {
     PACKAGE / "runtime" / "config.py",
     PACKAGE / "runtime" / "config_utils.py",
     PACKAGE / "runtime" / "config_loading.py",
-    PACKAGE / "runtime" / "config_precision.py",
+    PACKAGE / "runtime" / "precision_config.py",
     PACKAGE / "runtime" / "zero" / "config.py",
     PACKAGE / "runtime" / "zero" / "offload_config.py",
 }

@@ -1,16 +1,21 @@
 """The `fp16` and `bf16` sections of a DeepSpeed config, and the flat precision attributes
 `DeepSpeedConfig` derives from them (`fp16_enabled`, `loss_scale`, `dynamic_loss_scale_args`, ...).
 
-Split from `config.py`, which re-exports both section classes under their old import path.
+Upstream's module path; `config.py` re-exports both section classes too.
 """
 
 from typing import Any, ClassVar, Optional
 
 from pydantic import Field
 
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel, Unsupported, unsupported_when_true
+from deepspeed.runtime.config_utils import (
+    DeepSpeedConfigModel,
+    Unsupported,
+    parse_section,
+    unsupported_when_true,
+)
 
-__all__ = ["DeepSpeedBF16Config", "DeepSpeedFP16Config", "precision_attributes"]
+__all__ = ["DeepSpeedBF16Config", "DeepSpeedFP16Config", "get_bfloat16_config", "precision_attributes"]
 
 
 class DeepSpeedFP16Config(DeepSpeedConfigModel):
@@ -81,6 +86,13 @@ class DeepSpeedBF16Config(DeepSpeedConfigModel):
 
     bf16_optimizer_states: bool = False
     """Upstream: keep optimizer states in bfloat16; true is refused (always fp32)."""
+
+
+def get_bfloat16_config(param_dict: dict) -> DeepSpeedBF16Config:
+    """Upstream's helper: the typed `bf16` section of a raw config dict (the old key `bfloat16`
+    when `bf16` is absent; neither gives the defaults), checked as `DeepSpeedConfig` checks it."""
+    section = param_dict.get("bf16", param_dict.get("bfloat16"))
+    return parse_section(DeepSpeedBF16Config, section or {}, prefix="bf16")
 
 
 def precision_attributes(
