@@ -51,6 +51,8 @@ import bench_gpt2_small  # noqa: E402
 import bench_init_memory  # noqa: E402
 import bench_train_step  # noqa: E402
 
+from deepspeed.utils.progress import progress_bar  # noqa: E402
+
 GATHER_UPSTREAM = HERE / "_gather_upstream.py"
 GATHER_MARK = "@@gather@@"
 SCALING_ROUNDS = 3  # the scaling section's rounds, whatever --rounds says (see run_scaling)
@@ -420,6 +422,9 @@ def _versions(opts) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps: a smoke run")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar (drawn on a terminal only)"
+    )
     parser.add_argument("--skip-upstream", action="store_true", help="leave out upstream DeepSpeed (null)")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results", help="where latest.* go")
     # 25: a decoder step's time moves by 10-15% from step to step on this 2-core machine
@@ -476,9 +481,12 @@ def main(argv=None) -> int:
                 report[name] = kept.get(name)
                 section_dates[name] = kept_dates.get(name, kept.get("first_run_date", kept.get("date")))
     with tempfile.TemporaryDirectory(prefix="bench_all_") as tmp:
-        for name, run_section in runners.items():  # the order of the report
-            if name in only:
-                report[name] = run_section(Path(tmp))
+        chosen = [name for name in runners if name in only]  # the order of the report
+        with progress_bar(len(chosen), "Benchmarks", unit="section", quiet=opts.quiet) as bar:
+            for name in chosen:
+                bar.set_postfix_str(name)  # the section running now
+                report[name] = runners[name](Path(tmp))
+                bar.update(1)
     report.update(
         machine=_report.machine(load_before),
         versions=_versions(opts),

@@ -97,7 +97,8 @@ def _resolve_checkpoint_dir(engine: CheckpointEngine, load_dir: str, tag: Any) -
 def _open_checkpoint(
     engine: CheckpointEngine, ckpt_dir: str, load_optim: bool, strict: bool, trust: bool
 ) -> ShardedCheckpoint:
-    ckpt = ShardedCheckpoint.open(ckpt_dir, trust)
+    rank, _ = engine.checkpoint_rank_and_world()
+    ckpt = ShardedCheckpoint.open(ckpt_dir, trust, quiet=rank != 0)  # one bar per job, on a terminal
     module = engine.checkpoint_module()
     shapes = {name: tuple(engine.checkpoint_shard_of(p).shape) for name, p in module.named_parameters()}
     check_against_model(ckpt, shapes, strict)

@@ -34,6 +34,7 @@ from deepspeed.checkpoint.upstream import (
     upstream_optim_path,
 )
 from deepspeed.runtime.zero.lifecycle import shard_sizes
+from deepspeed.utils.progress import progress_bar
 
 
 def _upstream_saving_world(model_sd: Any, path: str) -> int:
@@ -112,68 +113,77 @@ class ShardedCheckpoint:
         self._optim_paths = optim_paths
 
     @classmethod
-    def open(cls, directory: str, trust: bool = False) -> ShardedCheckpoint:
+    def open(cls, directory: str, trust: bool = False, quiet: bool = True) -> ShardedCheckpoint:
         """Read every file of the tag folder `directory` (see [Note: loading untrusted checkpoints]).
 
         `trust=True` loads files that name globals outside the allowlist: only for
-        checkpoints whose source you trust.
+        checkpoints whose source you trust. `quiet=False` shows a bar over the files read
+        (utils/progress.py: on a terminal only).
         """
         if not os.path.isdir(directory):
             raise CheckpointError(f"{directory}: no such checkpoint directory")
+        reader = _FileReader(trust, quiet)
+        try:
+            return cls._open(directory, reader)
+        finally:
+            reader.close()
+
+    @classmethod
+    def _open(cls, directory: str, read: _FileReader) -> ShardedCheckpoint:
         first_path = os.path.join(directory, model_states_name(0))
         replicated = os.path.join(directory, UPSTREAM_REPLICATED_MODEL_FILE)
         if not os.path.isfile(first_path) and os.path.isfile(replicated):
-            return cls._open_upstream_replicated(directory, replicated, trust)
-        raw = load_file(first_path, "model states of rank 0", trust)
+            return cls._open_upstream_replicated(directory, replicated, read)
+        raw = read(first_path, "model states of rank 0")
         if is_upstream_model_states(raw):
-            return cls._open_upstream(directory, raw, trust)
+            return cls._open_upstream(directory, raw, read)
         first = own_layout(raw, first_path, "model")
         world = first.get("world_size")
         if not isinstance(world, int) or world < 1:
             raise CheckpointError(f"{first_path}: invalid saving world_size {world!r}")
+        read.expect(world * (2 if first.get("has_optimizer") else 1))
         model_states = [first]
         for r in range(1, world):
             path = os.path.join(directory, model_states_name(r))
-            model_states.append(
-                own_layout(load_file(path, f"model states of rank {r}", trust), path, "model")
-            )
+            model_states.append(own_layout(read(path, f"model states of rank {r}"), path, "model"))
         optim_states = None
         if first.get("has_optimizer"):
             optim_states = []
             for r in range(world):
                 path = os.path.join(directory, optim_states_name(r))
-                optim_states.append(
-                    own_layout(load_file(path, f"optimizer states of rank {r}", trust), path, "optim")
-                )
+                optim_states.append(own_layout(read(path, f"optimizer states of rank {r}"), path, "optim"))
         ckpt = cls(directory, model_states, optim_states)
         ckpt._check_headers()
         ckpt._check_shards()
         return ckpt
 
     @classmethod
-    def _open_upstream(cls, directory: str, first: dict, trust: bool) -> ShardedCheckpoint:
+    def _open_upstream(cls, directory: str, first: dict, read: _FileReader) -> ShardedCheckpoint:
         """A tag folder written by upstream DeepSpeed at stage 3 (see upstream.py)."""
         world = _upstream_saving_world(first, os.path.join(directory, model_states_name(0)))
         model_sds = [first]
         for r in range(1, world):
             path = os.path.join(directory, model_states_name(r))
-            model_sds.append(load_file(path, f"model states of rank {r}", trust))
+            model_sds.append(read(path, f"model states of rank {r}"))
         optim_paths = [upstream_optim_path(directory, r) for r in range(world)]
+        read.expect(world * (2 if any(optim_paths) else 1))
         optim_sds = None
         if any(optim_paths):
             optim_sds = []
             for r, path in enumerate(optim_paths):
                 path = path or os.path.join(directory, optim_states_name(r))
-                optim_sds.append(load_file(path, f"optimizer states of rank {r}", trust))
+                optim_sds.append(read(path, f"optimizer states of rank {r}"))
                 optim_paths[r] = path
         paths = [(os.path.join(directory, model_states_name(r)), optim_paths[r]) for r in range(world)]
         return cls._from_upstream(directory, model_sds, optim_sds, optim_paths, paths)
 
     @classmethod
-    def _open_upstream_replicated(cls, directory: str, model_path: str, trust: bool) -> ShardedCheckpoint:
+    def _open_upstream_replicated(
+        cls, directory: str, model_path: str, read: _FileReader
+    ) -> ShardedCheckpoint:
         """A tag folder written by upstream DeepSpeed at stage 0, 1 or 2 (see [Note: upstream's
         stage 0-2 layout] in upstream.py): read as the stage-3 files it amounts to."""
-        model_sd = load_file(model_path, "model states (upstream stage 0-2)", trust)
+        model_sd = read(model_path, "model states (upstream stage 0-2)")
         world = _upstream_saving_world(model_sd, model_path)
         optim_paths = [upstream_optim_path(directory, r) for r in range(world)]
         missing = [r for r, path in enumerate(optim_paths) if path is None]
@@ -190,9 +200,8 @@ class ShardedCheckpoint:
                 f"of rank(s) {missing} (zero_pp_rank_<r>_mp_rank_00_optim_states.pt), which hold its fp32 "
                 "weights; the checkpoint is incomplete"
             )
-        optim_sds = [
-            load_file(path, f"optimizer states of rank {r}", trust) for r, path in enumerate(optim_paths)
-        ]
+        read.expect(1 + world)
+        optim_sds = [read(path, f"optimizer states of rank {r}") for r, path in enumerate(optim_paths)]
         try:
             model_sds, optim_sds = stage_0_to_2_as_stage_3(model_sd, optim_sds, optim_paths)
         except (UpstreamFormatError, KeyError, TypeError, AttributeError, IndexError) as err:
@@ -355,6 +364,32 @@ class ShardedCheckpoint:
         for name, buf in (self.engine_entry("buffers") or {}).items():
             out[name] = buf.to(torch.float32, copy=True) if buf.is_floating_point() else buf.clone()
         return out
+
+
+class _FileReader:
+    """Loads the files of one tag folder, advancing one bar over them once `expect` has told
+    how many there are (the first file read says the saving world)."""
+
+    def __init__(self, trust: bool, quiet: bool) -> None:
+        self.trust = trust
+        self.quiet = quiet
+        self.done = 0
+        self.bar: Any = None
+
+    def expect(self, files: int) -> None:
+        self.bar = progress_bar(files, "Reading checkpoint files", unit="file", quiet=self.quiet)
+        self.bar.update(self.done)
+
+    def __call__(self, path: str, what: str) -> Any:
+        loaded = load_file(path, what, self.trust)
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        return loaded
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _check_shard(path: str, meta: ParamMeta, shard: Any, what: str) -> None:

@@ -46,6 +46,7 @@ from deepspeed.checkpoint.errors import CheckpointError
 from deepspeed.checkpoint.layout import UPSTREAM_REPLICATED_MODEL_FILE, model_states_name, read_latest
 from deepspeed.checkpoint.sharded import ShardedCheckpoint
 from deepspeed.utils.logging import logger
+from deepspeed.utils.progress import progress
 
 __all__ = [
     "LazyFullTensor",
@@ -123,14 +124,6 @@ def _tag_dir(checkpoint_dir: str, tag: Optional[str]) -> str:
 # ============================================================================ consolidating
 
 
-def _progress(items: list) -> list:
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is a dependency, but the conversion must not depend on a bar
-        return items
-    return tqdm(items, desc="Consolidating parameters", unit="param", disable=not sys.stderr.isatty())
-
-
 class LazyFullTensor:
     """One parameter of a checkpoint, put together from its shards only when asked.
 
@@ -165,6 +158,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     lazy_mode: bool = False,
     *,
     trust_checkpoint: bool = False,
+    quiet: bool = False,
 ) -> OrderedDict:
     """`{name: full fp32 tensor}` of the parameters (tied names included) and buffers.
 
@@ -176,11 +170,16 @@ def get_fp32_state_dict_from_zero_checkpoint(
     missing, truncated or mismatched file, and `UnsafeCheckpointError` for a file naming
     globals outside the allowlist unless `trust_checkpoint=True` (keyword-only, so a
     positional call written for upstream cannot switch it on; see the module docstring).
+    `quiet=True` draws no progress bars (they are drawn on a terminal only: utils/progress.py).
     """
-    ckpt = ShardedCheckpoint.open(_tag_dir(checkpoint_dir, tag), trust_checkpoint)
+    ckpt = ShardedCheckpoint.open(_tag_dir(checkpoint_dir, tag), trust_checkpoint, quiet=quiet)
     if lazy_mode:  # tied names share one LazyFullTensor, as they share one tensor otherwise
         return ckpt.fp32_state_dict(exclude_frozen_parameters, weight=lambda name: LazyFullTensor(ckpt, name))
-    return ckpt.fp32_state_dict(exclude_frozen_parameters, progress=_progress)
+
+    def bar(metas: list):
+        return progress(metas, "Consolidating parameters", unit="param", quiet=quiet)
+
+    return ckpt.fp32_state_dict(exclude_frozen_parameters, progress=bar)
 
 
 def load_state_dict_from_zero_checkpoint(
@@ -250,7 +249,7 @@ def _write_weights(state_dict: dict, path: str, safe: bool) -> None:
     atomic_save_to_path(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
-def _write_folder(state_dict: dict, output_dir: str, limit: int, safe: bool) -> list:
+def _write_folder(state_dict: dict, output_dir: str, limit: int, safe: bool, quiet: bool = False) -> list:
     os.makedirs(output_dir, exist_ok=True)
     base = SAFE_WEIGHTS_NAME if safe else WEIGHTS_NAME
     groups = _split_by_size(state_dict, limit)
@@ -260,7 +259,7 @@ def _write_folder(state_dict: dict, output_dir: str, limit: int, safe: bool) -> 
         return [path]
     stem, ext = os.path.splitext(base)
     weight_map, paths = {}, []
-    for i, names in enumerate(groups, start=1):
+    for i, names in enumerate(progress(groups, "Writing shards", unit="file", quiet=quiet), start=1):
         file_name = f"{stem}-{i:05d}-of-{len(groups):05d}{ext}"
         _write_weights({n: state_dict[n] for n in names}, os.path.join(output_dir, file_name), safe)
         weight_map.update({n: file_name for n in names})
@@ -321,6 +320,7 @@ def convert_zero_checkpoint_to_state_dict(
     exclude_frozen_parameters: bool = False,
     *,
     trust_checkpoint: bool = False,
+    quiet: bool = False,
 ) -> list:
     """Write the consolidated state dict with floating tensors in `dtype` (see `output_dtype`;
     integer and bool buffers keep theirs); returns the paths written.
@@ -328,12 +328,12 @@ def convert_zero_checkpoint_to_state_dict(
     `output_dir` may also be a file name ending in `.bin`, `.pt`, `.pth` or `.safetensors`
     (then it is one file, in safetensors format if the name or `safe_serialization` says
     so). A folder gets `pytorch_model.bin` / `model.safetensors`, sharded past `max_shard_size`.
-    `trust_checkpoint`: see `get_fp32_state_dict_from_zero_checkpoint`.
+    `trust_checkpoint`, `quiet`: see `get_fp32_state_dict_from_zero_checkpoint`.
     """
     target = output_dtype(dtype)
     limit = parse_size(max_shard_size)
     state_dict = get_fp32_state_dict_from_zero_checkpoint(
-        checkpoint_dir, tag, exclude_frozen_parameters, trust_checkpoint=trust_checkpoint
+        checkpoint_dir, tag, exclude_frozen_parameters, trust_checkpoint=trust_checkpoint, quiet=quiet
     )
     if target != torch.float32:
         state_dict = _cast_floating(state_dict, target)
@@ -346,7 +346,7 @@ def convert_zero_checkpoint_to_state_dict(
         os.makedirs(parent, exist_ok=True)
         _write_weights(state_dict, output_dir, safe)
         return [output_dir]
-    return _write_folder(state_dict, output_dir, limit, safe_serialization)
+    return _write_folder(state_dict, output_dir, limit, safe_serialization, quiet)
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
@@ -358,6 +358,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     exclude_frozen_parameters: bool = False,
     *,
     trust_checkpoint: bool = False,
+    quiet: bool = False,
 ) -> list:
     """`convert_zero_checkpoint_to_state_dict` in fp32 (upstream's argument order)."""
     return convert_zero_checkpoint_to_state_dict(
@@ -369,6 +370,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         tag,
         exclude_frozen_parameters,
         trust_checkpoint=trust_checkpoint,
+        quiet=quiet,
     )
 
 
@@ -402,6 +404,9 @@ def _parser() -> argparse.ArgumentParser:
         "-d", "--debug", action="store_true", help="log each consolidated tensor's name, shape and dtype"
     )
     parser.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bars (drawn only on a terminal anyway)"
+    )
+    parser.add_argument(
         "--trust_checkpoint",
         action="store_true",
         help="load files that name Python objects outside the safe allowlist (their unpickling can run "
@@ -425,6 +430,7 @@ def main(argv: Optional[list] = None) -> int:
             tag=args.tag,
             exclude_frozen_parameters=args.exclude_frozen_parameters,
             trust_checkpoint=args.trust_checkpoint,
+            quiet=args.quiet,
         )
     except (CheckpointError, FileNotFoundError, ValueError, ImportError) as err:
         print(f"zero_to_fp32: error: {err}", file=sys.stderr)
