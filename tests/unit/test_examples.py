@@ -1,6 +1,7 @@
 """Every script under examples/ runs both ways: plain (`python examples/x.py`, no launcher,
 no process group) and under the `deepspeed` launcher at 2 processes, with its own check
 passing. The launcher run of `zero3_demo.py` (`make demo`) is in test_launcher.py.
+`plot_scalars.py` is a tool, not a training script: it runs on a log written here.
 """
 
 import os
@@ -27,7 +28,7 @@ def run(cmd: list) -> str:
 def test_every_example_is_covered():
     """A new example must be added to the cases below, or this fails."""
     assert sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py")) == sorted(
-        ["build_with_init.py", "resize_lm_head.py", "zero3_demo.py"]
+        ["build_with_init.py", "plot_scalars.py", "resize_lm_head.py", "zero3_demo.py"]
     )
 
 
@@ -55,3 +56,26 @@ def test_main_demo_runs_as_one_plain_process():
     assert "partitioned model equals the same-seed plain model: True" in out
     assert "edit kept: True" in out
     assert "resumed again 2/2" in out, out
+
+
+def test_plot_scalars_draws_every_tag_of_a_log(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    log_dir = tmp_path / "log"
+    writer = SummaryWriter(log_dir=str(log_dir))
+    for step in range(1, 6):
+        writer.add_scalar("Train/Samples/train_loss", 1.0 / step, step * 8)
+        writer.add_scalar("Custom/x", float(step), step)
+    writer.close()
+    png = tmp_path / "scalars.png"
+    out = run([sys.executable, "examples/plot_scalars.py", str(log_dir), str(png)])
+    assert "2 scalar(s): Custom/x, Train/Samples/train_loss" in out, out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = subprocess.run(
+        [sys.executable, "examples/plot_scalars.py", str(tmp_path), str(tmp_path / "none.png")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=TIMEOUT_S,
+    )
+    assert empty.returncode == 1 and "no scalars under" in empty.stderr, empty.stderr
