@@ -66,6 +66,12 @@ def test_mlp_counts_worked_out_by_hand():
     with pytest.raises(AttributeError, match="between FlopsProfiler.stop_profile"):
         get_module_flops(model)
 
+    prof.start_profile(ignore_list=[nn.ReLU])  # no hooks of its own: its work counts in its parent
+    model(torch.randn(3, 8))
+    prof.stop_profile()
+    assert prof.get_total_flops() == 1200 and [get_module_flops(m) for m in model] == [768, 0, 384]
+    prof.end_profile()
+
 
 def test_convolutions_and_norms_worked_out_by_hand():
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2)).eval()
@@ -236,6 +242,11 @@ def test_nothing_left_installed_after_end_profile():
     with pytest.raises(RuntimeError, match="already profiling"):
         prof.start_profile()
     model(torch.randn(2, 4))
+    other = FlopCounterMode(display=False)
+    other.__enter__()
+    with pytest.raises(RuntimeError, match="another TorchDispatchMode"):
+        prof.stop_profile()  # refused, and nothing changed: it can be stopped once the other is left
+    other.__exit__(None, None, None)
     prof.stop_profile()
     assert _get_current_dispatch_mode() is None
     prof.end_profile()

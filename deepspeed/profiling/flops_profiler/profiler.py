@@ -123,17 +123,17 @@ class FlopsProfiler:
         """Stop counting: leave the counting mode and remove the hooks; the figures stay."""
         if not self.func_patched:
             return
+        if _get_current_dispatch_mode() is not self._mode:
+            raise RuntimeError(
+                "FlopsProfiler.stop_profile(): another TorchDispatchMode was entered after start_profile() "
+                "and is still active; leave it first (modes must be left in the reverse order)"
+            )
         mode, self._mode = self._mode, None
         self.func_patched = False
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._running.clear()
-        if _get_current_dispatch_mode() is not mode:
-            raise RuntimeError(
-                "FlopsProfiler.stop_profile(): another TorchDispatchMode was entered after start_profile() "
-                "and is still active; leave it first (modes must be left in the reverse order)"
-            )
         mode.__exit__(None, None, None)
         self._publish()
 

@@ -109,28 +109,33 @@ def summary_lines(profiler: Any, profile_step: int) -> list:
         _line("fwd FLOPS per GPU = fwd flops per GPU / fwd latency:", _rate(flops, fwd)),
     ]
     if latencies:
-        _, bwd, step = latencies
-        iteration = fwd + bwd + step
-        samples = engine.train_micro_batch_size_per_gpu() * engine.world_size
-        lines += [
-            _line("bwd latency:", duration_to_string(bwd)),
-            _line(
-                f"bwd FLOPS per GPU = {factor:g} * fwd flops per GPU / bwd latency:",
-                _rate(factor * flops, bwd),
-            ),
-            _line(
-                f"fwd+bwd FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / (fwd+bwd latency):",
-                _rate((factor + 1) * flops, fwd + bwd),
-            ),
-            _line("step latency:", duration_to_string(step)),
-            _line("iter latency:", duration_to_string(iteration)),
-            _line(
-                f"FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / iter latency:",
-                _rate((factor + 1) * flops, iteration),
-            ),  # fmt: skip
-            _line("samples/second:", round(samples / iteration, DEFAULT_PRECISION) if iteration else 0),
-        ]
+        lines += _backward_and_step_lines(engine, flops, factor, *latencies)
     return lines
+
+
+def _backward_and_step_lines(
+    engine: Any, flops: int, factor: float, fwd: float, bwd: float, step: float
+) -> list:
+    """The summary's lines that need the engine's backward and step timers."""
+    iteration = fwd + bwd + step
+    samples = engine.train_micro_batch_size_per_gpu() * engine.world_size
+    return [
+        _line("bwd latency:", duration_to_string(bwd)),
+        _line(
+            f"bwd FLOPS per GPU = {factor:g} * fwd flops per GPU / bwd latency:", _rate(factor * flops, bwd)
+        ),
+        _line(
+            f"fwd+bwd FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / (fwd+bwd latency):",
+            _rate((factor + 1) * flops, fwd + bwd),
+        ),
+        _line("step latency:", duration_to_string(step)),
+        _line("iter latency:", duration_to_string(iteration)),
+        _line(
+            f"FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / iter latency:",
+            _rate((factor + 1) * flops, iteration),
+        ),
+        _line("samples/second:", round(samples / iteration, DEFAULT_PRECISION) if iteration else 0),
+    ]
 
 
 def _rate(flops: float, seconds: float) -> str:
