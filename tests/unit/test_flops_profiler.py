@@ -353,3 +353,22 @@ class TestZero3Profile(DistributedTest):
         assert "world size:" + " " * 61 + "2" in text
         assert engine.flops_profiler is not None and not engine.flops_profiler.started
         assert all("__flops__" not in vars(m) for m in engine.module.modules())
+
+
+def test_get_model_profile_of_generate():
+    model, ids = tiny_model("gpt2", "sdpa"), torch.randint(1, 128, (1, 16))
+    forward, _, _ = get_model_profile(model, args=[ids], print_profile=False, as_string=False)
+    kwargs = {
+        "input_ids": ids,
+        "max_new_tokens": 3,
+        "min_new_tokens": 3,
+        "do_sample": False,
+        "pad_token_id": 0,
+    }
+    generate, _, params = get_model_profile(
+        model, kwargs=kwargs, mode="generate", warm_up=0, print_profile=False, as_string=False
+    )
+    # the prompt's forward, then one forward per further token (over the cache)
+    assert forward < generate < 2 * forward and params == sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match="mode='backward'"):
+        get_model_profile(model, args=[ids], mode="backward")
