@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import torch
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
+from deepspeed.profiling.config import DeepSpeedFlopsProfilerConfig
 from deepspeed.runtime.config_loading import load_config_dict, resolve_batch_sizes, resolve_world_size
 from deepspeed.runtime.config_utils import (
     DeepSpeedConfigError,
@@ -268,7 +269,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
             + "; remove the others",
             lambda value: set(value or {}) <= set(_activation_checkpointing_keys()),
         ),
-        "flops_profiler": _off("the FLOPs profiler"),
         "tensorboard": _off("the TensorBoard monitor"),
         "wandb": _off("the Weights & Biases monitor"),
         "csv_monitor": _off("the CSV monitor"),
@@ -422,8 +422,8 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     activation_checkpointing: FreeForm = None
     """Activation checkpointing settings; refused unless absent, empty or switched off."""
 
-    flops_profiler: FreeForm = None
-    """FLOPs profiler settings; refused unless absent, empty or switched off."""
+    flops_profiler: DeepSpeedFlopsProfilerConfig = Field(default_factory=DeepSpeedFlopsProfilerConfig)
+    """The FLOPs profiler (`DeepSpeedFlopsProfilerConfig`); absent or null: off."""
 
     tensorboard: FreeForm = None
     """TensorBoard monitor settings; refused unless absent, empty or switched off."""
@@ -515,6 +515,11 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
 
     log_level: Optional[str] = None
     """Upstream: the package log level; refused (set DEEPSPEED_LOG_LEVEL instead)."""
+
+    @field_validator("flops_profiler", mode="before")
+    @classmethod
+    def _null_section(cls, value: Any) -> Any:
+        return {} if value is None else value
 
     @field_validator("zero_optimization", mode="before")
     @classmethod
@@ -675,6 +680,9 @@ class DeepSpeedConfig:
             "dataloader_drop_last",
         ):
             setattr(self, name, getattr(typed, name))
+        self.flops_profiler_config = typed.flops_profiler
+        # upstream: the profiler's backward and step latency come from the engine's timers
+        self.wall_clock_breakdown = typed.wall_clock_breakdown or typed.flops_profiler.enabled
         self.sparse_gradients_enabled = typed.sparse_gradients
         self.checkpoint_config = dict(typed.checkpoint or {})
         self.data_types = dict(typed.data_types or {})

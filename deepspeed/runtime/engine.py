@@ -23,6 +23,11 @@ from torch import nn
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.engine_methods import CheckpointMethods
+from deepspeed.profiling.flops_profiler.engine_hooks import (
+    engine_profiler,
+    profile_forward_begins,
+    profile_step_ends,
+)
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine_queries import EngineQueries, train_dtype
@@ -104,6 +109,7 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         self._grad_hooks = self._install_grad_hooks() if self.optimizer is not None else []
+        self.flops_profiler = engine_profiler(self)  # None unless the config's flops_profiler is enabled
 
     # ------------------------------------------------------------------ set-up
 
@@ -278,11 +284,14 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         # The module's own hooks gather, release and mark where a pass starts and ends, so a
         # direct call of the module (generate, an eval loop) behaves the same (see hooks.py).
         self._memory_report("Engine before forward")
+        profiling = profile_forward_begins(self)  # flops_profiler: rank 0, at its profile_step
         self._start_timers("forward")
         try:
             return self.module(*args, **kwargs)
         finally:
             self._stop_timers("forward")
+            if profiling:
+                self.flops_profiler.stop_profile()
             self._memory_report("Engine after forward")
 
     def _memory_report(self, where: str) -> None:
@@ -456,6 +465,7 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
                 report_progress(self)  # steps_per_print
         finally:
             self._stop_timers("step")
+        profile_step_ends(self, boundary)  # before _log_timers() resets the timers it reads
         self.tput_timer.stop(global_step=boundary)
         self._log_timers()
         self.micro_steps += 1

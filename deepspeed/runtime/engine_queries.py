@@ -178,6 +178,27 @@ class EngineQueries:
     def wall_clock_breakdown(self) -> bool:
         return self._config.wall_clock_breakdown
 
+    def flops_profiler_enabled(self) -> bool:
+        return self._config.flops_profiler_config.enabled
+
+    def flops_profiler_recompute_fwd_factor(self) -> float:
+        return self._config.flops_profiler_config.recompute_fwd_factor
+
+    def flops_profiler_profile_step(self) -> int:
+        return self._config.flops_profiler_config.profile_step
+
+    def flops_profiler_module_depth(self) -> int:
+        return self._config.flops_profiler_config.module_depth
+
+    def flops_profiler_top_modules(self) -> int:
+        return self._config.flops_profiler_config.top_modules
+
+    def flops_profiler_detailed(self) -> bool:
+        return self._config.flops_profiler_config.detailed
+
+    def flops_profiler_output_file(self) -> Optional[str]:
+        return self._config.flops_profiler_config.output_file
+
     def memory_breakdown(self) -> bool:
         return self._config.memory_breakdown
 
