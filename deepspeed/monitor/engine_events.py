@@ -81,7 +81,7 @@ class EngineEvents:
         """After `engine.backward(loss)`: add `loss`; at the boundary write the accumulation's mean."""
         if not self.monitor.is_writer:
             return  # other ranks: nothing is written, so nothing to add up
-        value = loss.detach().float().mean()
+        value = loss.detach().double().mean()  # float64: the mean matches a Python sum of the losses
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._micro_steps += 1
         if at_boundary:
