@@ -167,6 +167,57 @@ def test_monitor_master_writes_every_enabled_monitor(tmp_path):
     assert not MonitorMaster().enabled  # no config: nothing on, nothing written
 
 
+def test_comet_monitor_with_a_stand_in_comet_ml(monkeypatch):
+    """comet_ml is not installed here: a stand-in records what the monitor asks of it."""
+    import importlib.machinery
+    import sys
+    import types
+
+    calls = []
+
+    class Experiment:
+        def set_name(self, name):
+            calls.append(("set_name", name))
+
+        def log_metric(self, name, value, step):
+            calls.append(("log_metric", name, value, step))
+
+        def end(self):
+            calls.append(("end",))
+
+    fake = types.ModuleType("comet_ml")
+    fake.__spec__ = importlib.machinery.ModuleSpec("comet_ml", None)
+    fake.start = lambda **kwargs: calls.append(("start", kwargs)) or Experiment()
+    monkeypatch.setitem(sys.modules, "comet_ml", fake)
+    block = {
+        "enabled": True,
+        "samples_log_interval": 10,
+        "project": "p",
+        "online": False,
+        "experiment_name": "e",
+    }
+    master = MonitorMaster(DeepSpeedConfig({"train_batch_size": 1, "comet": block}).monitor_config)
+    master.write_events([("a", 1.0, 0), ("b", 2.0, 0), ("a", 3.0, 5), ("a", 4.0, 10), ("b", 5.0, 12)])
+    master.close()
+    start = {
+        "api_key": None,
+        "project": "p",
+        "workspace": None,
+        "experiment_key": None,
+        "mode": None,
+        "online": False,
+    }
+    assert calls == [
+        ("start", start),
+        ("set_name", "e"),
+        ("log_metric", "a", 1.0, 0),
+        ("log_metric", "b", 2.0, 0),
+        ("log_metric", "a", 4.0, 10),  # a at 5: under 10 samples after its last
+        ("log_metric", "b", 5.0, 12),
+        ("end",),
+    ]
+
+
 # ---------------------------------------------------------------------------------- training
 
 
