@@ -2,7 +2,7 @@
 
 The JSON layout and key names are upstream DeepSpeed 0.19's. Every known top-level key is a
 field of `DeepSpeedRootConfig`; the sections of upstream features this package does not
-implement (monitors, profilers, compression, ...) are free-form dicts that parse when absent,
+implement (profilers, compression, ...) are free-form dicts that parse when absent,
 empty or switched off (``{"enabled": false}``) and are refused otherwise, naming the key (see
 [Note: every key is acted on or rejected] in `config_utils`). A key that names nothing (a typo,
 another tool's key) is ignored with one warning naming it and the closest valid keys, and a
@@ -32,6 +32,16 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import torch
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
+from deepspeed.monitor.config import (
+    MONITOR_KEYS,
+    CometConfig,
+    CSVConfig,
+    DeepSpeedMonitorConfig,
+    MonitorConfigBlock,
+    TensorBoardConfig,
+    WandbConfig,
+    resolve_monitor_config,
+)
 from deepspeed.profiling.config import DeepSpeedFlopsProfilerConfig
 from deepspeed.runtime.config_loading import load_config_dict, resolve_batch_sizes, resolve_world_size
 from deepspeed.runtime.config_utils import (
@@ -169,14 +179,6 @@ def _data_types_supported(value: Optional[dict]) -> bool:
     return not extra and (value or {}).get("grad_accum_dtype") in (None, "fp32", "float32")
 
 
-_MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet")
-
-
-def _monitor_block_supported(value: Optional[dict]) -> bool:
-    # Its own `enabled` switches nothing on: only the monitors inside it would write anything.
-    return all(section_is_off((value or {}).get(name)) for name in _MONITORS)
-
-
 class DeepSpeedCompileConfig(DeepSpeedConfigModel):
     """`compile`: the defaults of `engine.compile()`. The block compiles nothing by itself, as in
     upstream since its engine stopped wrapping the module: the module is compiled when the
@@ -268,16 +270,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
             + ", ".join(_activation_checkpointing_keys())
             + "; remove the others",
             lambda value: set(value or {}) <= set(_activation_checkpointing_keys()),
-        ),
-        "tensorboard": _off("the TensorBoard monitor"),
-        "wandb": _off("the Weights & Biases monitor"),
-        "csv_monitor": _off("the CSV monitor"),
-        "comet": _off("the Comet monitor"),
-        "monitor_config": Unsupported(
-            "monitors are not implemented (upstream never reads a top-level monitor_config either: its "
-            "monitors are the top-level tensorboard, wandb, csv_monitor and comet blocks); remove the "
-            "block or switch off every monitor in it",
-            _monitor_block_supported,
         ),
         "comms_logger": _off("the communication logger"),
         "aio": Unsupported(
@@ -425,20 +417,20 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     flops_profiler: DeepSpeedFlopsProfilerConfig = Field(default_factory=DeepSpeedFlopsProfilerConfig)
     """The FLOPs profiler (`DeepSpeedFlopsProfilerConfig`); absent or null: off."""
 
-    tensorboard: FreeForm = None
-    """TensorBoard monitor settings; refused unless absent, empty or switched off."""
+    tensorboard: Optional[TensorBoardConfig] = None
+    """The TensorBoard monitor (`deepspeed.monitor`); absent: off."""
 
-    wandb: FreeForm = None
-    """Weights & Biases monitor settings; refused unless absent, empty or switched off."""
+    wandb: Optional[WandbConfig] = None
+    """The Weights & Biases monitor (`deepspeed.monitor`); absent: off."""
 
-    csv_monitor: FreeForm = None
-    """CSV monitor settings; refused unless absent, empty or switched off."""
+    csv_monitor: Optional[CSVConfig] = None
+    """The CSV monitor (`deepspeed.monitor`); absent: off."""
 
-    comet: FreeForm = None
-    """Comet monitor settings; refused unless absent, empty or switched off."""
+    comet: Optional[CometConfig] = None
+    """The Comet monitor (`deepspeed.monitor`); absent: off."""
 
-    monitor_config: FreeForm = None
-    """Monitor settings in one block (LLaMA-Factory writes it); parses while no monitor in it is on."""
+    monitor_config: Optional[MonitorConfigBlock] = None
+    """Monitors in one block (LLaMA-Factory, CoLLiE); each acts as the top-level block of its name."""
 
     comms_logger: FreeForm = None
     """Communication logger settings; refused unless absent, empty or switched off."""
@@ -566,6 +558,15 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         self.zero_optimization.check_offload_stage()  # needs the stage this whole config runs
         return self
 
+    @model_validator(mode="after")
+    def _check_monitors(self) -> "DeepSpeedRootConfig":
+        self.monitors()  # a monitor set differently at the top level and in monitor_config raises
+        return self
+
+    def monitors(self) -> DeepSpeedMonitorConfig:
+        """The monitors' settings, from the top-level blocks and `monitor_config` together."""
+        return resolve_monitor_config({key: getattr(self, key) for key in MONITOR_KEYS}, self.monitor_config)
+
 
 # ----------------------------------------------------------------------------------------
 # The config object engines read
@@ -654,6 +655,7 @@ class DeepSpeedConfig:
         typed = self.typed_config
         self.zero_config = typed.zero_optimization
         self.compile_config = typed.compile
+        self.monitor_config = typed.monitors()  # upstream's attribute, read by MonitorMaster
         self.zero_optimization_stage = int(self.zero_config.stage)
         self.zero_enabled = self.zero_config.stage > ZeroStageEnum.disabled
         self.gradient_clipping = typed.gradient_clipping

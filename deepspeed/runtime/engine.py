@@ -23,6 +23,8 @@ from torch import nn
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.engine_methods import CheckpointMethods
+from deepspeed.monitor.engine_events import EngineEvents
+from deepspeed.monitor.monitor import MonitorMaster
 from deepspeed.profiling.flops_profiler.engine_hooks import (
     engine_profiler,
     profile_forward_begins,
@@ -94,6 +96,10 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         self.tput_timer = ThroughputTimer(
             batch_size=self._config.train_micro_batch_size_per_gpu * self._config.gradient_accumulation_steps
         )  # samples/s per rank, reported with steps_per_print
+        # Upstream's attribute: the config's TensorBoard / wandb / CSV / Comet monitors (written
+        # on global rank 0); the engine's own events go through `monitor_events`.
+        self.monitor = MonitorMaster(self._config.monitor_config)
+        self.monitor_events = EngineEvents(self.monitor)
         self._is_compiled = False  # see compile()
         # Every stage: leaves also shape gradient reduction.
         apply_leaf_module_config(model, self._config.zero_config.leaf_module)
@@ -340,6 +346,9 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
             self._backward(loss, retain_graph, scale_wrt_gas)
         finally:
             self._stop_timers("backward")
+        self.monitor_events.after_backward(
+            loss, self.is_gradient_accumulation_boundary(), self.global_samples
+        )
         self._memory_report("Engine after backward")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             # As upstream: the loss as it was scaled for the backward (its share of the boundary's step).
@@ -467,6 +476,7 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
             self._stop_timers("step")
         profile_step_ends(self, boundary)  # before _log_timers() resets the timers it reads
         self.tput_timer.stop(global_step=boundary)
+        self.monitor_events.after_step(self, boundary)  # before _log_timers resets the step's timers
         self._log_timers()
         self.micro_steps += 1
         self._memory_report("Engine after step")

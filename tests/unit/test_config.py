@@ -488,19 +488,29 @@ def test_unknown_nested_keys_warn_with_their_full_path(config_warnings):
 
 
 def test_known_key_with_unsupported_value_is_still_refused(config_warnings):
-    with pytest.raises(ValueError, match=r"tensorboard=.*not supported.*TensorBoard monitor"):
-        DeepSpeedConfig({"train_batch_size": 8, "tensorboard": {"enabled": True, "output_path": "runs"}})
+    with pytest.raises(ValueError, match=r"elasticity=.*not supported.*elastic training"):
+        DeepSpeedConfig({"train_batch_size": 8, "elasticity": {"enabled": True, "max_train_batch_size": 8}})
     with pytest.raises(ValueError, match=r"zero_optimization\.stage: got 5"):
         DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {"stage": 5, "unknown_too": 1}})
 
 
-def test_monitor_config_parses_while_no_monitor_in_it_is_on():
-    # LLaMA-Factory's block: its own `enabled` switches nothing on.
+def test_monitor_blocks_are_typed_and_monitor_config_acts_as_the_top_level():
+    cfg = DeepSpeedConfig({"train_batch_size": 8, "tensorboard": {"enabled": True, "output_path": "runs"}})
+    assert cfg.monitor_config.tensorboard.output_path == "runs" and cfg.monitor_config.enabled
+    assert cfg.monitor_config.tensorboard.job_name == "DeepSpeedJobName"  # upstream's default
+    # LLaMA-Factory's block: its own `enabled` and `tag` switch nothing on.
     block = {"enabled": True, "tag": "DeepSpeedMonitor", "csv_monitor": {"enabled": False}}
-    DeepSpeedConfig({"train_batch_size": 8, "monitor_config": block})
-    block["csv_monitor"]["enabled"] = True
-    with pytest.raises(ValueError, match=r"monitor_config=.*not supported.*monitors are not implemented"):
-        DeepSpeedConfig({"train_batch_size": 8, "monitor_config": block})
+    assert not DeepSpeedConfig({"train_batch_size": 8, "monitor_config": block}).monitor_config.enabled
+    block["csv_monitor"] = {"enabled": True, "output_path": "logs"}
+    monitors = DeepSpeedConfig({"train_batch_size": 8, "monitor_config": block}).monitor_config
+    assert monitors.csv_monitor.enabled and monitors.csv_monitor.output_path == "logs"
+    assert not monitors.tensorboard.enabled
+    with pytest.raises(ValueError, match=r"csv_monitor=.*top level and monitor_config\.csv_monitor="):
+        DeepSpeedConfig({"train_batch_size": 8, "monitor_config": block, "csv_monitor": {"enabled": True}})
+    same = DeepSpeedConfig(
+        {"train_batch_size": 8, "monitor_config": block, "csv_monitor": dict(block["csv_monitor"])}
+    )
+    assert same.monitor_config.csv_monitor.output_path == "logs"
 
 
 def test_dotted_top_level_key_sets_the_nested_key(config_warnings):

@@ -49,6 +49,7 @@ CONFIG_MODULES = {
     PACKAGE / "runtime" / "zero" / "config.py",
     PACKAGE / "runtime" / "zero" / "offload_config.py",
     PACKAGE / "profiling" / "config.py",
+    PACKAGE / "monitor" / "config.py",
 }
 
 # Dotted key -> the name its reader uses, where that is not the field's own name (mostly the
@@ -76,8 +77,6 @@ SAMPLES = {
     "zero_optimization.offload_param.device": "nvme",
     "zero_optimization.offload_optimizer.device": "nvme",
     "activation_checkpointing": {"partitioned_activations": True},  # not a key configure() reads
-    "tensorboard": {"enabled": True, "output_path": "runs"},
-    "monitor_config": {"enabled": True, "csv_monitor": {"enabled": True, "output_path": "logs"}},
     "aio": {"block_size": 262144},
     "checkpoint": {"load_universal": True},
     "data_types": {"grad_accum_dtype": "bf16"},
