@@ -11,6 +11,12 @@ of parameters, gradients and optimizer state. Finally it saves a checkpoint, loa
 stage-2 engine whose optimizer state lives on the CPU (`offload_optimizer`), and trains both
 engines on, side by side: the losses agree, whatever the stage. The offloaded engine's own
 checkpoint then resumes at stage 1 with the optimizer back in place, and agrees again.
+
+The stage-3 engine's training curve goes to a TensorBoard log and CSV files (the config's
+`tensorboard` and `csv_monitor` blocks) under `--log_dir` (default `runs/`), with the loss
+averaged over the ranks added by the script itself through `engine.monitor.write_events`;
+`tensorboard --logdir runs/zero3_demo` or `python examples/plot_scalars.py runs/zero3_demo
+out.png` shows them (docs/observability.md).
 """
 
 import argparse
@@ -31,6 +37,13 @@ CONFIG = {
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
 }
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, STEPS = 64, 32, 4, 2, 16, 10
+JOB = "zero3_demo"
+
+
+def monitored(config: dict, log_dir: str) -> dict:
+    """`config` with the TensorBoard and CSV monitors on, both writing to `log_dir/zero3_demo/`."""
+    where = {"enabled": True, "output_path": log_dir, "job_name": JOB}
+    return {**config, "tensorboard": dict(where), "csv_monitor": dict(where)}
 
 
 class TinyTransformer(nn.Module):
@@ -76,7 +89,8 @@ def param_bytes(model: nn.Module) -> tuple:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the launcher
-    parser.parse_args()
+    parser.add_argument("--log_dir", default="runs", help="where the TensorBoard log and CSV files go")
+    args = parser.parse_args()
     deepspeed.init_distributed(verbose=False)
     rank0_print(f"deepspeed {deepspeed.__version__} on {dist.get_world_size()} ranks ({dist.get_backend()})")
 
@@ -97,7 +111,7 @@ def main():
     if not same:
         raise SystemExit("partitioned model differs from the reference")
 
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=CONFIG)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=monitored(CONFIG, args.log_dir))
     generator = torch.Generator().manual_seed(1234 + dist.get_rank())  # each rank its own data
     ids = torch.randint(0, VOCAB, (CONFIG["train_micro_batch_size_per_gpu"], SEQ + 1), generator=generator)
     for step in range(STEPS):  # a fixed batch: the loss falls as the model memorizes it
@@ -116,6 +130,10 @@ def main():
     sys.stdout.write(line)  # one write: the ranks share stdout, and print() writes the newline apart
     sys.stdout.flush()
     continue_at_stage_2(engine, ids)
+    engine.destroy()  # closes the monitors: every event is on disk
+    log = f"{args.log_dir}/{JOB}"
+    rank0_print(f"training curves of the stage-3 engine: TensorBoard log and CSV files in {log}/")
+    rank0_print(f"  tensorboard --logdir {log}   or   python examples/plot_scalars.py {log} {JOB}.png")
 
 
 def train_step(engine, ids) -> float:
@@ -125,7 +143,10 @@ def train_step(engine, ids) -> float:
     engine.step()
     mean = loss.detach().clone()
     dist.all_reduce(mean)
-    return mean.item() / dist.get_world_size()
+    mean = mean.item() / dist.get_world_size()
+    # A client's own event, beside the engine's (it writes rank 0's loss): written on rank 0 only.
+    engine.monitor.write_events([("Demo/mean_loss_over_ranks", mean, engine.global_samples)])
+    return mean
 
 
 def continue_at_stage_2(stage3_engine, ids) -> None:

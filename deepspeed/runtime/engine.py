@@ -514,11 +514,13 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         self._offloader.reload(non_blocking)
 
     def destroy(self) -> None:
-        """Remove every hook the engine installed; parameters stay partitioned."""
+        """Remove every hook the engine installed and close its monitors (their files flushed,
+        a wandb run finished); parameters stay partitioned."""
         self.zero.remove_hooks()
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
+        self.monitor.close()
 
     # ================================================================== upstream API surface
     # Small controls clients call on an engine (HF transformers, accelerate, Lightning,
