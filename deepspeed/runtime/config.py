@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import torch
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
+from deepspeed.comm.config import CommsLoggerConfig, DeepSpeedCommsConfig
 from deepspeed.runtime.config_loading import load_config_dict, resolve_batch_sizes, resolve_world_size
 from deepspeed.runtime.config_utils import (
     DeepSpeedConfigError,
@@ -279,7 +280,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
             "block or switch off every monitor in it",
             _monitor_block_supported,
         ),
-        "comms_logger": _off("the communication logger"),
         "aio": Unsupported(
             "async I/O serves NVMe offload, which is not implemented; remove the block or keep "
             f"upstream's defaults {dict(_AIO_DEFAULTS)}",
@@ -440,8 +440,8 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     monitor_config: FreeForm = None
     """Monitor settings in one block (LLaMA-Factory writes it); parses while no monitor in it is on."""
 
-    comms_logger: FreeForm = None
-    """Communication logger settings; refused unless absent, empty or switched off."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """Communication logger (`CommsLoggerConfig`): `deepspeed.comm.configure` reads it."""
 
     aio: FreeForm = None
     """Async I/O settings for NVMe offload; values other than upstream's defaults are refused."""
@@ -649,6 +649,7 @@ class DeepSpeedConfig:
         typed = self.typed_config
         self.zero_config = typed.zero_optimization
         self.compile_config = typed.compile
+        self.comms_config = DeepSpeedCommsConfig("comms_logger" in typed.model_fields_set, typed.comms_logger)
         self.zero_optimization_stage = int(self.zero_config.stage)
         self.zero_enabled = self.zero_config.stage > ZeroStageEnum.disabled
         self.gradient_clipping = typed.gradient_clipping

@@ -48,6 +48,7 @@ CONFIG_MODULES = {
     PACKAGE / "runtime" / "precision_config.py",
     PACKAGE / "runtime" / "zero" / "config.py",
     PACKAGE / "runtime" / "zero" / "offload_config.py",
+    PACKAGE / "comm" / "config.py",
 }
 
 # Dotted key -> the name its reader uses, where that is not the field's own name (mostly the
