@@ -38,6 +38,9 @@ class DeepSpeedCommsConfig:
         self.comms_logger_enabled = present  # upstream's name for "the config has the block"
         self.comms_logger = section
 
+    def __repr__(self) -> str:
+        return f"DeepSpeedCommsConfig(comms_logger_enabled={self.comms_logger_enabled}, comms_logger={self.comms_logger!r})"
+
 
 def comms_logger_section(config: Any) -> Optional[CommsLoggerConfig]:
     """The `comms_logger` section of `config` (a `DeepSpeedConfig`, or a config dict); None when it has none."""

@@ -186,6 +186,16 @@ class TestCommsLogging(DistributedTest):
         assert dist.comms_logger.get_raw_data()["reduce_scatter_tensor"][8 * world][0] == 1
         assert torch.equal(out.cpu(), torch.arange(2.0) + 2 * rank + world - 1)
 
+        # A collective built from another (the all-gather into columns off shared memory) is
+        # recorded once, under its own name, with one rank's contribution as its size.
+        dist.reset_log()
+        outputs = [torch.empty(world, 2, device=device), torch.empty(world, 1, device=device)]
+        dist.all_gather_into_columns(outputs, [2, 1], torch.full((3,), float(rank), device=device))
+        assert dist.get_logged_comm_ops() == ["all_gather_into_columns"]
+        assert list(dist.comms_logger.get_raw_data()["all_gather_into_columns"]) == [12]
+        assert dist.get_comm_operation_count() == 1
+        assert torch.equal(outputs[1].cpu().view(-1), torch.arange(float(world)))
+
         # debug: the caller's name joins the record name; verbose: one log line per op.
         dist.configure(debug=True, verbose=True)
         dist.reset_log()
