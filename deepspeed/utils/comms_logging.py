@@ -118,8 +118,11 @@ class CommsLogger:
         self.__init__()
 
     def configure(self, section: Any = None, **settings: Any) -> None:
-        """Take every setting of `section` (a `CommsLoggerConfig`, deepspeed/comm/config.py) when
-        given, then each of `settings` (enabled, prof_all, prof_ops, verbose, debug) not None."""
+        """Take every setting of `section` (a `CommsLoggerConfig`, deepspeed/comm/config.py, or
+        upstream's `DeepSpeedCommsConfig` holding one) when given, then each of `settings`
+        (enabled, prof_all, prof_ops, verbose, debug) that is not None."""
+        if hasattr(section, "comms_logger_enabled"):  # upstream's argument, `DeepSpeedConfig.comms_config`
+            section = section.comms_logger if section.comms_logger_enabled else None
         names = ("enabled", "verbose", "prof_all", "prof_ops", "debug")
         unknown = set(settings) - set(names)
         if unknown:

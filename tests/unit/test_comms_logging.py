@@ -15,6 +15,7 @@ from torch import nn
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.utils import comms_logging
 from tests.unit.common import DistributedTest
 
@@ -261,5 +262,10 @@ def test_records_totals_and_marks_without_ranks():
     assert not log.has_data() and log.totals["all_reduce"] == [3, 808, 7.0]  # totals keep counting
     with pytest.raises(TypeError, match="prof_opps"):
         log.configure(prof_opps=["all_reduce"])
+    upstream_style = DeepSpeedConfig(
+        {"train_batch_size": 1, "comms_logger": {"prof_all": False}}
+    ).comms_config
+    log.configure(upstream_style)  # upstream passes `DeepSpeedConfig.comms_config`
+    assert (log.enabled, log.prof_all) == (False, False)
     log.reset()
     assert (log.enabled, log.prof_all, log.prof_ops, log.totals) == (False, True, [], {})
