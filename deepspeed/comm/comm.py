@@ -23,6 +23,7 @@ import torch.distributed as _dist
 
 from deepspeed import process_state
 from deepspeed.comm import env_discovery, shm
+from deepspeed.utils.comms_logging import CommsLogger
 from deepspeed.utils.logging import logger
 
 ReduceOp = _dist.ReduceOp
@@ -60,6 +61,14 @@ class CommHandle:
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
 
+    def after_wait(self, fn: Any) -> None:
+        """Run `fn()` once the work finished: in `wait()`, after its own completion (now if done)."""
+        if self._work is None:
+            fn()
+            return
+        first = self._on_complete
+        self._on_complete = fn if first is None else lambda: (first(), fn())
+
 
 class _AllWorks:
     """Several torch Work objects waited on as one (a collective built from several)."""
@@ -79,6 +88,45 @@ class _AllWorks:
 
 def _handle(work: Optional[Any], async_op: bool) -> CommHandle:
     return CommHandle(work if async_op else None)
+
+
+# Times and records collectives while enabled ([Note: the communication logger] in
+# utils/comms_logging.py); `log_summary` and the other readers are in comms_api.py.
+comms_logger = CommsLogger()
+process_state.register("deepspeed.comm.comm.comms_logger", comms_logger, comms_logger.reset)
+
+
+def _timed(fn: Any, args: tuple, log_name: str, prof: bool, group: Any, nbytes: int, async_op: bool) -> Any:
+    """`fn(*args)` through the logger (a collective calls it first while the logger is enabled)."""
+    return comms_logger.timed(fn, args, fn.__name__, log_name, prof, nbytes, get_world_size(group), async_op)
+
+
+def configure(
+    deepspeed_config: Optional[Any] = None,
+    enabled: Optional[bool] = None,
+    prof_all: Optional[bool] = None,
+    prof_ops: Optional[list] = None,
+    verbose: Optional[bool] = None,
+    debug: Optional[bool] = None,
+) -> None:
+    """Set the communication logger (upstream's signature): every setting of the `comms_logger`
+    section of `deepspeed_config` (a `DeepSpeedConfig` or its dict) when it has one, then each
+    argument that is not None. The engine calls it with its config."""
+    from deepspeed.comm.config import comms_logger_section
+
+    section = None if deepspeed_config is None else comms_logger_section(deepspeed_config)
+    given = {
+        "enabled": enabled,
+        "prof_all": prof_all,
+        "prof_ops": prof_ops,
+        "verbose": verbose,
+        "debug": debug,
+    }
+    comms_logger.configure(section, **given)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -115,19 +163,6 @@ def _default_backend() -> str:
     return get_accelerator().communication_backend_name()
 
 
-def _refuse_comms_logger(config: Optional[Any]) -> None:
-    """Upstream reads only `comms_logger` from `init_distributed(config=...)`: none exists here."""
-    if config is None:
-        return
-    section = getattr(config, "_param_dict", config)
-    logger_cfg = section.get("comms_logger") if isinstance(section, dict) else None
-    if isinstance(logger_cfg, dict) and logger_cfg.get("enabled"):
-        raise ValueError(
-            "init_distributed(config=...): comms_logger.enabled=true is not supported (no communication "
-            "logger here); remove the comms_logger block or set enabled to false"
-        )
-
-
 def init_distributed(
     dist_backend: Optional[str] = None,
     auto_mpi_discovery: bool = True,
@@ -149,7 +184,8 @@ def init_distributed(
     With `auto_mpi_discovery` (the default) and no RANK / WORLD_SIZE, a process started by
     mpirun or srun takes them from the MPI / Slurm variables (`env_discovery.py`).
     """
-    _refuse_comms_logger(config)
+    if config is not None:
+        configure(deepspeed_config=config)  # upstream reads only its comms_logger section
     if dist_init_required is False:
         return
     if _dist.is_initialized():
@@ -427,7 +463,14 @@ def shm_counts() -> dict:
 # ----------------------------------------------------------------------------- collectives
 
 
-def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> CommHandle:
+def barrier(
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "barrier",
+) -> CommHandle:
+    if comms_logger.enabled and comms_logger.idle:
+        return _timed(barrier, (group, async_op), log_name, prof, group, 0, async_op)
     channel = _shm_channel(group)
     if channel is not None:
         channel.barrier()
@@ -436,9 +479,18 @@ def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> Com
 
 
 def broadcast(
-    tensor: torch.Tensor, src: int, group: Optional[ProcessGroup] = None, async_op: bool = False
+    tensor: torch.Tensor,
+    src: int,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "broadcast",
 ) -> CommHandle:
     """Broadcast from global rank `src` (DeepSpeed and torch both take a global rank here)."""
+    if comms_logger.enabled and comms_logger.idle:
+        return _timed(
+            broadcast, (tensor, src, group, async_op), log_name, prof, group, _nbytes(tensor), async_op
+        )
     channel = _shm_channel(group, tensor)
     if channel is not None:
         channel.broadcast(tensor, src if group is None else _dist.get_group_rank(group, src))
@@ -451,7 +503,13 @@ def all_reduce(
     op: ReduceOp = ReduceOp.SUM,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_reduce",
 ) -> CommHandle:
+    if comms_logger.enabled and comms_logger.idle:
+        return _timed(
+            all_reduce, (tensor, op, group, async_op), log_name, prof, group, _nbytes(tensor), async_op
+        )
     if op == ReduceOp.SUM and tensor.dtype in shm.SUMMABLE:
         channel = _shm_channel(group, tensor)
         if channel is not None:
@@ -466,13 +524,27 @@ def reduce(
     op: ReduceOp = ReduceOp.SUM,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "reduce",
 ) -> CommHandle:
+    if comms_logger.enabled and comms_logger.idle:
+        return _timed(
+            reduce, (tensor, dst, op, group, async_op), log_name, prof, group, _nbytes(tensor), async_op
+        )
     return _handle(_dist.reduce(tensor, dst, op=op, group=group, async_op=async_op), async_op)
 
 
 def all_gather(
-    tensor_list: list, tensor: torch.Tensor, group: Optional[ProcessGroup] = None, async_op: bool = False
+    tensor_list: list,
+    tensor: torch.Tensor,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_gather",
 ) -> CommHandle:
+    if comms_logger.enabled and comms_logger.idle:
+        args = (tensor_list, tensor, group, async_op)
+        return _timed(all_gather, args, log_name, prof, group, _nbytes(tensor), async_op)
     return _handle(_dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op)
 
 
@@ -481,6 +553,8 @@ def all_gather_into_tensor(
     input_tensor: torch.Tensor,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_gather_into_tensor",
 ) -> CommHandle:
     """Concatenate every rank's `input_tensor` (equal sizes) into `output_tensor`, in rank order.
 
@@ -492,6 +566,9 @@ def all_gather_into_tensor(
     and every chunk is broadcast from its owner, all issued at once. The result is the same
     bytes in the same places; nccl keeps its native all-gather.
     """
+    if comms_logger.enabled and comms_logger.idle:
+        args = (output_tensor, input_tensor, group, async_op)
+        return _timed(all_gather_into_tensor, args, log_name, prof, group, _nbytes(input_tensor), async_op)
     world, rank = get_world_size(group), get_rank(group)
     if output_tensor.numel() != world * input_tensor.numel():
         raise ValueError(
@@ -535,6 +612,8 @@ def all_gather_into_columns(
     input_tensor: Optional[torch.Tensor],
     group: Optional[ProcessGroup] = None,
     scratch: Optional[torch.Tensor] = None,
+    prof: bool = False,
+    log_name: str = "all_gather_into_columns",
 ) -> None:
     """One all-gather whose rank-major result `[world, n]` is split by columns into `outputs`.
 
@@ -545,8 +624,12 @@ def all_gather_into_columns(
     and 2 after a step, whose updated slices lie in the parameters). Through shared memory
     the columns go straight from the slots to `outputs`; otherwise through an all-gather into
     `scratch` (1D, at least `world * n` elements: the caller's reused memory) or, without one,
-    a fresh buffer.
+    a fresh buffer. The logger records one rank's contribution (`n` elements).
     """
+    if comms_logger.enabled and comms_logger.idle:
+        nbytes = sum(sizes) * (outputs[0] if input_tensor is None else input_tensor).element_size()
+        args = (outputs, sizes, input_tensor, group, scratch)
+        return _timed(all_gather_into_columns, args, log_name, prof, group, nbytes, False)
     world, n = get_world_size(group), sum(sizes)
     if len(sizes) != len(outputs) or (input_tensor is not None and input_tensor.numel() != n):
         have = "in place" if input_tensor is None else f"the input's {input_tensor.numel()} elements"
@@ -580,14 +663,21 @@ def reduce_scatter_columns(
     blocks: list,
     group: Optional[ProcessGroup] = None,
     prescale: float = 1.0,
+    prof: bool = False,
+    log_name: str = "reduce_scatter_columns",
 ) -> None:
     """`reduce_scatter_tensor` (a sum) of the input that `blocks` form side by side, for a
     group whose collectives complete on issue (see `completes_on_issue`).
 
     `blocks[i]` is `[world, n_i]` (row r: what goes to rank r), `output_tensor` has `sum(n_i)`
     elements, and each rank's contribution is multiplied by `prescale` before the sum. The
-    blocks go straight into this rank's shared-memory slot, with no send buffer.
+    blocks go straight into this rank's shared-memory slot, with no send buffer. The logger
+    records the whole input (`world` times the output).
     """
+    if comms_logger.enabled and comms_logger.idle:
+        nbytes = get_world_size(group) * _nbytes(output_tensor)
+        args = (output_tensor, blocks, group, prescale)
+        return _timed(reduce_scatter_columns, args, log_name, prof, group, nbytes, False)
     sizes = [b.shape[1] for b in blocks]
     if sum(sizes) != output_tensor.numel() or any(b.shape[0] != get_world_size(group) for b in blocks):
         raise ValueError(
@@ -619,6 +709,8 @@ def reduce_scatter_tensor(
     op: ReduceOp = ReduceOp.SUM,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "reduce_scatter_tensor",
     input_reusable: bool = False,
     scratch: Optional[torch.Tensor] = None,
 ) -> CommHandle:
@@ -637,6 +729,9 @@ def reduce_scatter_tensor(
     `input_reusable=True`: the all-reduce path may reduce in the caller's buffer (the caller
     discards it after). nccl keeps its native reduce-scatter.
     """
+    if comms_logger.enabled and comms_logger.idle:
+        args = (output_tensor, input_tensor, op, group, async_op, prof, log_name, input_reusable, scratch)
+        return _timed(reduce_scatter_tensor, args, log_name, prof, group, _nbytes(input_tensor), async_op)
     if get_backend(group) != "gloo":
         work = _REDUCE_SCATTER_SINGLE(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         return _handle(work, async_op)

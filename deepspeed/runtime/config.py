@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import torch
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
+from deepspeed.comm.config import CommsLoggerConfig, DeepSpeedCommsConfig
 from deepspeed.monitor.config import (
     MONITOR_KEYS,
     CometConfig,
@@ -271,7 +272,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
             + "; remove the others",
             lambda value: set(value or {}) <= set(_activation_checkpointing_keys()),
         ),
-        "comms_logger": _off("the communication logger"),
         "aio": Unsupported(
             "async I/O serves NVMe offload, which is not implemented; remove the block or keep "
             f"upstream's defaults {dict(_AIO_DEFAULTS)}",
@@ -432,8 +432,8 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     monitor_config: Optional[MonitorConfigBlock] = None
     """Monitors in one block (LLaMA-Factory, CoLLiE); each acts as the top-level block of its name."""
 
-    comms_logger: FreeForm = None
-    """Communication logger settings; refused unless absent, empty or switched off."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """Communication logger (`CommsLoggerConfig`): `deepspeed.comm.configure` reads it."""
 
     aio: FreeForm = None
     """Async I/O settings for NVMe offload; values other than upstream's defaults are refused."""
@@ -656,6 +656,7 @@ class DeepSpeedConfig:
         self.zero_config = typed.zero_optimization
         self.compile_config = typed.compile
         self.monitor_config = typed.monitors()  # upstream's attribute, read by MonitorMaster
+        self.comms_config = DeepSpeedCommsConfig("comms_logger" in typed.model_fields_set, typed.comms_logger)
         self.zero_optimization_stage = int(self.zero_config.stage)
         self.zero_enabled = self.zero_config.stage > ZeroStageEnum.disabled
         self.gradient_clipping = typed.gradient_clipping

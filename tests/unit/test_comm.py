@@ -542,13 +542,29 @@ def test_harness_reports_failing_rank_and_blocked_peer():
     assert "ranks [0] did not finish" in text
 
 
-def test_init_distributed_refuses_an_enabled_comms_logger():
+def test_init_distributed_configures_the_comms_logger():
+    """Upstream reads only the comms_logger section from `init_distributed(config=...)`."""
     from deepspeed.comm import comm as facade
 
-    with pytest.raises(ValueError, match="comms_logger.enabled=true"):
-        facade._refuse_comms_logger({"comms_logger": {"enabled": True}})
-    facade._refuse_comms_logger({"comms_logger": {"enabled": False}, "train_batch_size": 1})
-    facade._refuse_comms_logger(None)
+    logger = facade.comms_logger
+    block = {"enabled": True, "prof_all": False, "prof_ops": ["all_reduce"], "verbose": True, "debug": True}
+    try:
+        facade.init_distributed(config={"comms_logger": block}, dist_init_required=False)
+        assert (logger.enabled, logger.prof_all, logger.prof_ops, logger.verbose, logger.debug) == (
+            True,
+            False,
+            ["all_reduce"],
+            True,
+            True,
+        )
+        facade.init_distributed(config={"train_batch_size": 1}, dist_init_required=False)
+        assert logger.enabled and logger.prof_ops == ["all_reduce"]  # no block: left as it was
+        facade.init_distributed(config={"comms_logger": {"enabled": False}}, dist_init_required=False)
+        assert not logger.enabled and logger.prof_all and not logger.verbose  # the block's defaults
+        with pytest.raises(ValueError, match="comms_logger"):
+            facade.init_distributed(config={"comms_logger": {"prof_ops": 3}}, dist_init_required=False)
+    finally:
+        logger.reset()
 
 
 @pytest.mark.parametrize("made_by", ["deepspeed", "client"])

@@ -50,6 +50,7 @@ CONFIG_MODULES = {
     PACKAGE / "runtime" / "zero" / "offload_config.py",
     PACKAGE / "profiling" / "config.py",
     PACKAGE / "monitor" / "config.py",
+    PACKAGE / "comm" / "config.py",
 }
 
 # Dotted key -> the name its reader uses, where that is not the field's own name (mostly the
