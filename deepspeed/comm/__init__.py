@@ -37,6 +37,7 @@ from deepspeed.comm.comm import (
 )
 from deepspeed.comm.comms_api import (
     comms_totals,
+    count_totals,
     get_comm_operation_count,
     get_logged_comm_ops,
     has_comm_data,
@@ -61,6 +62,7 @@ __all__ = [
     "completes_on_issue",
     "comms_logger",
     "comms_totals",
+    "count_totals",
     "configure",
     "default_timeout",
     "destroy_process_group",

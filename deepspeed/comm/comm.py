@@ -469,7 +469,7 @@ def barrier(
     prof: bool = False,
     log_name: str = "barrier",
 ) -> CommHandle:
-    if comms_logger.enabled and comms_logger.idle:
+    if comms_logger.timing and comms_logger.idle:
         return _timed(barrier, (group, async_op), log_name, prof, group, 0, async_op)
     channel = _shm_channel(group)
     if channel is not None:
@@ -487,7 +487,7 @@ def broadcast(
     log_name: str = "broadcast",
 ) -> CommHandle:
     """Broadcast from global rank `src` (DeepSpeed and torch both take a global rank here)."""
-    if comms_logger.enabled and comms_logger.idle:
+    if comms_logger.timing and comms_logger.idle:
         return _timed(
             broadcast, (tensor, src, group, async_op), log_name, prof, group, _nbytes(tensor), async_op
         )
@@ -506,7 +506,7 @@ def all_reduce(
     prof: bool = False,
     log_name: str = "all_reduce",
 ) -> CommHandle:
-    if comms_logger.enabled and comms_logger.idle:
+    if comms_logger.timing and comms_logger.idle:
         return _timed(
             all_reduce, (tensor, op, group, async_op), log_name, prof, group, _nbytes(tensor), async_op
         )
@@ -527,7 +527,7 @@ def reduce(
     prof: bool = False,
     log_name: str = "reduce",
 ) -> CommHandle:
-    if comms_logger.enabled and comms_logger.idle:
+    if comms_logger.timing and comms_logger.idle:
         return _timed(
             reduce, (tensor, dst, op, group, async_op), log_name, prof, group, _nbytes(tensor), async_op
         )
@@ -542,7 +542,7 @@ def all_gather(
     prof: bool = False,
     log_name: str = "all_gather",
 ) -> CommHandle:
-    if comms_logger.enabled and comms_logger.idle:
+    if comms_logger.timing and comms_logger.idle:
         args = (tensor_list, tensor, group, async_op)
         return _timed(all_gather, args, log_name, prof, group, _nbytes(tensor), async_op)
     return _handle(_dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op)
@@ -566,7 +566,7 @@ def all_gather_into_tensor(
     and every chunk is broadcast from its owner, all issued at once. The result is the same
     bytes in the same places; nccl keeps its native all-gather.
     """
-    if comms_logger.enabled and comms_logger.idle:
+    if comms_logger.timing and comms_logger.idle:
         args = (output_tensor, input_tensor, group, async_op)
         return _timed(all_gather_into_tensor, args, log_name, prof, group, _nbytes(input_tensor), async_op)
     world, rank = get_world_size(group), get_rank(group)
@@ -626,7 +626,7 @@ def all_gather_into_columns(
     `scratch` (1D, at least `world * n` elements: the caller's reused memory) or, without one,
     a fresh buffer. The logger records one rank's contribution (`n` elements).
     """
-    if comms_logger.enabled and comms_logger.idle:
+    if comms_logger.timing and comms_logger.idle:
         nbytes = sum(sizes) * (outputs[0] if input_tensor is None else input_tensor).element_size()
         args = (outputs, sizes, input_tensor, group, scratch)
         return _timed(all_gather_into_columns, args, log_name, prof, group, nbytes, False)
@@ -674,7 +674,7 @@ def reduce_scatter_columns(
     blocks go straight into this rank's shared-memory slot, with no send buffer. The logger
     records the whole input (`world` times the output).
     """
-    if comms_logger.enabled and comms_logger.idle:
+    if comms_logger.timing and comms_logger.idle:
         nbytes = get_world_size(group) * _nbytes(output_tensor)
         args = (output_tensor, blocks, group, prescale)
         return _timed(reduce_scatter_columns, args, log_name, prof, group, nbytes, False)
@@ -729,7 +729,7 @@ def reduce_scatter_tensor(
     `input_reusable=True`: the all-reduce path may reduce in the caller's buffer (the caller
     discards it after). nccl keeps its native reduce-scatter.
     """
-    if comms_logger.enabled and comms_logger.idle:
+    if comms_logger.timing and comms_logger.idle:
         args = (output_tensor, input_tensor, op, group, async_op, prof, log_name, input_reusable, scratch)
         return _timed(reduce_scatter_tensor, args, log_name, prof, group, _nbytes(input_tensor), async_op)
     if get_backend(group) != "gloo":

@@ -91,6 +91,14 @@ def get_logged_comm_ops() -> list:
     return comm.comms_logger.get_operation_names()
 
 
+def count_totals(on: bool = True) -> None:
+    """Time every collective for `comms_totals` even while the logger is off (no records, no
+    printing): what an engine with `wall_clock_breakdown` asks for, to report its all-gather
+    and reduce-scatter milliseconds per step. Each timed collective synchronizes the
+    accelerator around itself, as the timers of `wall_clock_breakdown` do."""
+    comm.comms_logger.count_totals(on)
+
+
 def comms_totals(since: Optional[dict] = None) -> dict:
     """Per collective (its own name, e.g. "all_gather_into_tensor", whatever its `log_name`):
     `{"count", "bytes", "latency_ms"}` recorded since the process started, or since `since`,

@@ -9,7 +9,11 @@
   scaler's updates included), at the samples seen including this step.
 - With `wall_clock_breakdown`, at the same point: `Train/Samples/elapsed_time_ms_forward`,
   `_backward`, `_backward_inner`, `_backward_allreduce` and `_step`, the milliseconds of the
-  step's timers (`fwd`, `bwd`, `bwd_inner`, `bwd_allreduce`, `step`) summed over its micro-steps.
+  step's timers (`fwd`, `bwd`, `bwd_inner`, `bwd_allreduce`, `step`) summed over its micro-steps,
+  and `Train/Samples/elapsed_time_ms_all_gather`, `_reduce_scatter` and `_all_reduce`: the
+  milliseconds this rank spent in those collectives since the previous step (each timed with
+  the accelerator synchronized, `deepspeed.comm.count_totals`; not upstream's events, named
+  in their style).
 
 `EngineEvents` is built by the engine and called at those two points; `step_events` takes
 further `(name, value)` pairs to write with the step's events.
@@ -22,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from deepspeed import comm as dist
 from deepspeed.utils.timer import (
     BACKWARD_GLOBAL_TIMER,
     BACKWARD_INNER_GLOBAL_TIMER,
@@ -41,6 +46,21 @@ TIMER_EVENTS = (
     ("Train/Samples/elapsed_time_ms_backward_allreduce", BACKWARD_REDUCE_GLOBAL_TIMER),
     ("Train/Samples/elapsed_time_ms_step", STEP_GLOBAL_TIMER),
 )
+# Each collective of deepspeed.comm counts toward the event whose kind its name starts with.
+COMM_EVENTS = (
+    ("Train/Samples/elapsed_time_ms_all_gather", "all_gather"),
+    ("Train/Samples/elapsed_time_ms_reduce_scatter", "reduce_scatter"),
+    ("Train/Samples/elapsed_time_ms_all_reduce", "all_reduce"),
+)
+
+
+def comm_events(totals: dict) -> list:
+    """`(event name, milliseconds)` of each kind in COMM_EVENTS, from a `comms_totals(mark)`
+    answer; a kind with no collective in it reads 0."""
+    return [
+        (event, sum(v["latency_ms"] for op, v in totals.items() if op.startswith(kind)))
+        for event, kind in COMM_EVENTS
+    ]
 
 
 def step_events(
@@ -76,6 +96,7 @@ class EngineEvents:
         self.monitor = monitor  # the engine's MonitorMaster
         self._loss_sum: Optional[torch.Tensor] = None  # sum of this accumulation's losses, on device
         self._micro_steps = 0
+        self._comm_mark = dist.comms_totals()  # the collectives' totals at the previous step
 
     def after_backward(self, loss: torch.Tensor, at_boundary: bool, samples: int) -> None:
         """After `engine.backward(loss)`: add `loss`; at the boundary write the accumulation's mean."""
@@ -98,5 +119,8 @@ class EngineEvents:
         timer_ms = None
         if engine.wall_clock_breakdown():
             timer_ms = {timer: engine.timers(timer).elapsed(reset=False) for _, timer in TIMER_EVENTS}
+            since = dist.comms_totals(self._comm_mark)
+            self._comm_mark = dist.comms_totals()
+            extra = [*extra, *comm_events(since)]
         events = step_events(engine.global_samples, lrs[0] if lrs else None, loss_scale, timer_ms, extra)
         self.monitor.write_events(events)

@@ -70,6 +70,8 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
             raise TypeError(f"deepspeed.initialize: model must be an nn.Module, got {type(model).__name__}")
         self._config = config if isinstance(config, DeepSpeedConfig) else DeepSpeedConfig(config, mpu=mpu)
         dist.configure(self._config)  # the communication logger: its comms_logger section, if any
+        if self._config.wall_clock_breakdown:
+            dist.count_totals(True)  # the step's all-gather / reduce-scatter ms, for the monitors
         if get_accelerator().device_name() == "cpu":
             keep_freed_memory_for_reuse()  # see host_malloc.py's note
         self._check_ranks_agree(model)

@@ -101,10 +101,18 @@ class CommsLogger:
     `comms_dict` keeps upstream's layout, `{record_name: {msg_size: [count, [latency_ms],
     [algbw], [busbw]]}}`; `totals` adds, per op (the collective's own name, whatever its
     `log_name`), `[count, bytes, latency_ms]`, which `deepspeed.comm.comms_totals` reads.
+
+    `timing` is what each collective checks: true while the logger is `enabled`, or while
+    someone asked for the per-op totals alone (`count_totals(True)`: an engine with
+    `wall_clock_breakdown`, which reports its all-gather and reduce-scatter milliseconds
+    per step); then every collective is timed and only `totals` grow, nothing is printed
+    and `log_summary` has no records.
     """
 
     def __init__(self) -> None:
         self.enabled = False
+        self.totals_only = False  # count_totals(True) while not enabled
+        self.timing = False  # enabled or totals_only: the collectives' one check
         self.verbose = False
         self.prof_all = True
         self.prof_ops: list = []
@@ -135,6 +143,12 @@ class CommsLogger:
                 value = getattr(section, name)
             if value is not None:
                 setattr(self, name, list(value) if name == "prof_ops" else bool(value))
+        self.timing = self.enabled or self.totals_only
+
+    def count_totals(self, on: bool) -> None:
+        """Time every collective for `totals` even while the logger is off (see the class doc)."""
+        self.totals_only = bool(on)
+        self.timing = self.enabled or self.totals_only
 
     # Upstream's switches: all ops, or ops by name, from here on.
     def start_profiling_comms(self) -> None:
@@ -169,7 +183,8 @@ class CommsLogger:
         the latency then runs from the issue to the end of the wait. `msg_size`: the bytes
         to record ([Note: the communication logger]); `world`: the size of the call's group.
         """
-        if not self.selects(log_name, prof):
+        recording = self.enabled and self.selects(log_name, prof)
+        if not (recording or self.totals_only):
             self.idle = False
             try:
                 return fn(*args)
@@ -189,7 +204,11 @@ class CommsLogger:
 
         def finish() -> None:
             synchronize()
-            self.append(op, record_name, (time.perf_counter() - start) * 1000.0, msg_size, world)
+            latency_ms = (time.perf_counter() - start) * 1000.0
+            if recording:
+                self.append(op, record_name, latency_ms, msg_size, world)
+            else:
+                self.add_total(op, latency_ms, msg_size)
 
         if async_op and handle is not None:
             handle.after_wait(finish)  # now, when it is already complete
@@ -205,15 +224,18 @@ class CommsLogger:
         row[1].append(latency_ms)
         row[2].append(algbw)
         row[3].append(busbw)
-        total = self.totals.setdefault(op, [0, 0, 0.0])
-        total[0] += 1
-        total[1] += msg_size
-        total[2] += latency_ms
+        self.add_total(op, latency_ms, msg_size)
         if self.verbose:  # printed on rank 0, as the summary is (the package logger hides INFO by default)
             print_dist(
                 f"comm op: {record_name} | time (ms): {latency_ms:.2f} | msg size: {convert_size(msg_size)} "
                 f"| algbw (Gbps): {algbw:.2f} | busbw (Gbps): {busbw:.2f}"
             )
+
+    def add_total(self, op: str, latency_ms: float, msg_size: int) -> None:
+        total = self.totals.setdefault(op, [0, 0, 0.0])
+        total[0] += 1
+        total[1] += msg_size
+        total[2] += latency_ms
 
     # ------------------------------------------------------------------ reading the records
 

@@ -32,7 +32,15 @@ TIMER_EVENTS = [
     "Train/Samples/elapsed_time_ms_backward_inner",
     "Train/Samples/elapsed_time_ms_backward_allreduce",
     "Train/Samples/elapsed_time_ms_step",
+    "Train/Samples/elapsed_time_ms_all_gather",
+    "Train/Samples/elapsed_time_ms_reduce_scatter",
+    "Train/Samples/elapsed_time_ms_all_reduce",
 ]
+COMM_KINDS = {  # the collectives' milliseconds of each step: the op names each event sums
+    "Train/Samples/elapsed_time_ms_all_gather": "all_gather",
+    "Train/Samples/elapsed_time_ms_reduce_scatter": "reduce_scatter",
+    "Train/Samples/elapsed_time_ms_all_reduce": "all_reduce",
+}
 
 
 # ---------------------------------------------------------------------------------- readers
@@ -248,14 +256,15 @@ def _config(out: Path, stage: int, gas: int, extra: dict) -> dict:
 
 
 def _train(config: dict, steps: int) -> tuple:
-    """Train `steps` optimizer steps; what the script saw: (losses per step, lrs, loss scales)."""
+    """Train `steps` optimizer steps; what the script saw: (losses per step, lrs, loss scales,
+    and the collectives' totals from the end of the first step to the end, `comms_totals`)."""
     ws, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     engine, *_ = deepspeed.initialize(model=_Net(), config=config)
     gas, micro = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
     dtype = torch.half if engine.fp16_enabled() else torch.float
     gen = torch.Generator().manual_seed(1)
-    losses, lrs, scales = [], [], []
+    losses, lrs, scales, mark = [], [], [], None
     for _ in range(steps):
         step_losses = []
         for _ in range(gas):
@@ -267,12 +276,13 @@ def _train(config: dict, steps: int) -> tuple:
         losses.append(sum(step_losses) / gas)
         lrs.append(engine.get_lr()[0])
         scales.append(engine.optimizer.loss_scale)
-    return engine, losses, lrs, scales
+        mark = dist.comms_totals() if mark is None else mark
+    return engine, losses, lrs, scales, dist.comms_totals(mark)
 
 
 def _check_run(out: Path, engine, seen: tuple, timers: bool) -> None:
     """On rank 0: the CSV and TensorBoard files hold what the script saw, at upstream's steps."""
-    losses, lrs, scales = seen
+    losses, lrs, scales, comm_after_first_step = seen
     batch = engine.train_batch_size()
     expected = {
         "Train/Samples/train_loss": [(i * batch, loss) for i, loss in enumerate(losses)],  # before the step
@@ -296,7 +306,13 @@ def _check_run(out: Path, engine, seen: tuple, timers: bool) -> None:
     for name in TIMER_EVENTS if timers else ():
         rows = read_csv(out / "csv", name)
         assert [s for s, _ in rows] == [s for s, _ in expected["Train/Samples/lr"]], name
-        assert all(ms > 0 for _, ms in rows), (name, rows)
+        if name in COMM_KINDS:  # steps 2.. add up to what the collectives took since step 1
+            seen_ms = sum(
+                v["latency_ms"] for op, v in comm_after_first_step.items() if op.startswith(COMM_KINDS[name])
+            )
+            assert sum(ms for _, ms in rows[1:]) == pytest.approx(seen_ms, rel=1e-6, abs=1e-9), name
+        if name != "Train/Samples/elapsed_time_ms_all_reduce":  # ZeRO-3 gathers and reduces every step
+            assert all(ms > 0 for _, ms in rows), (name, rows)
     assert read_csv(out / "csv", "Custom/x") == [(3, 1.5)] and tensorboard["Custom/x"] == [(3, 1.5)]
 
 
@@ -340,7 +356,7 @@ class TestTrainingEvents(DistributedTest):
             if rank == 0 and name == "z3":
                 project, group, history = read_wandb_history(out)
                 assert (project, group) == ("p", "g")
-                losses, lrs, _ = seen
+                losses, lrs, *_ = seen
                 batch = engine.train_batch_size()
                 assert history["Train/Samples/train_loss"] == [(i * batch, v) for i, v in enumerate(losses)]
                 assert history["Train/Samples/lr"] == [((i + 1) * batch, v) for i, v in enumerate(lrs)]
