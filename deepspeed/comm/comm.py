@@ -470,6 +470,29 @@ def reduce(
     return _handle(_dist.reduce(tensor, dst, op=op, group=group, async_op=async_op), async_op)
 
 
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Optional[list] = None,
+    input_split_sizes: Optional[list] = None,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+) -> CommHandle:
+    """Rank r sends the i-th slice of `input` (along dim 0) to rank i and receives rank i's
+    r-th slice into the i-th slice of `output`; equal slices unless split sizes are given.
+    gloo, nccl and the CPU backends all have it natively in torch 2.13 (Ulysses' sequence
+    parallelism and gloo's reduce-scatter use it)."""
+    work = _dist.all_to_all_single(
+        output,
+        input,
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+        group=group,
+        async_op=async_op,
+    )
+    return _handle(work, async_op)
+
+
 def all_gather(
     tensor_list: list, tensor: torch.Tensor, group: Optional[ProcessGroup] = None, async_op: bool = False
 ) -> CommHandle:
