@@ -190,6 +190,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         loaded with `attn_implementation=core_attn_implementation` in this process runs
         Ulysses, as upstream). Returns the mpu (`parallel_state_sp`) for `deepspeed.initialize`.
         """
+        core_attn_implementation = core_attn_implementation or "sdpa"  # accelerate passes None: its default
         if core_attn_implementation not in CORE_IMPLEMENTATIONS:
             raise ValueError(
                 f"register_with_transformers: core_attn_implementation={core_attn_implementation!r} is not supported "
