@@ -222,6 +222,59 @@ class TestUlysses(DistributedTest):
         assert dist.get_world_size(groups._get_sequence_data_parallel_group()) == 2
 
 
+class TestUlyssesRouting(DistributedTest):
+    world_size = 2
+
+    def test_name_routing_eval_passthrough_and_reset(self, tmp_path):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from deepspeed import process_state
+
+        rank = dist.get_rank()
+        gen = torch.Generator().manual_seed(3)
+        ids = torch.randint(0, 64, (2, 12), generator=gen)
+        window = slice(rank * 6, (rank + 1) * 6)
+        positions = torch.arange(12).expand(2, 12)
+
+        # A model object, eager core, disable_in_eval: eval runs whole sequences with the model's own mask.
+        reference = tiny_llama("eager", 4)
+        model = copy.deepcopy(reference)
+        UlyssesSPAttentionHF.register_with_transformers(
+            model, core_attn_implementation="eager", sequence_parallel_size=2, disable_in_eval=True
+        )
+        padding = torch.ones(2, 12, dtype=torch.long)
+        padding[1, 9:] = 0
+        model.eval()
+        reference.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(
+                model(input_ids=ids, attention_mask=padding).logits,
+                reference(input_ids=ids, attention_mask=padding).logits,
+            )
+            model.train()
+            sharded = model(input_ids=ids[:, window], position_ids=positions[:, window]).logits
+            torch.testing.assert_close(
+                sharded, reference(input_ids=ids).logits[:, window], rtol=1e-5, atol=1e-5
+            )
+
+        # A name: every model loaded with the core implementation runs Ulysses, until reset.
+        path = tmp_path / f"rank{rank}"
+        reference.config.save_pretrained(path)
+        UlyssesSPAttentionHF.register_with_transformers(str(path), sequence_parallel_size=2)
+        assert isinstance(ALL_ATTENTION_FUNCTIONS["sdpa"], UlyssesSPAttentionHF)
+        routed = tiny_llama("sdpa", 4)
+        with torch.no_grad():
+            sharded = routed(input_ids=ids[:, window], position_ids=positions[:, window]).logits
+        torch.testing.assert_close(sharded, reference(input_ids=ids).logits[:, window], rtol=1e-5, atol=1e-5)
+        process_state.reset()
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+        assert "ulysses_sp_eager" not in ALL_ATTENTION_FUNCTIONS
+        assert "ulysses_sp_eager" not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+        assert groups.sequence_parallel_layout() is None
+
+
 def check_distributed_attention() -> None:
     """DistributedAttention on [s/P, b, h, d] shards: the output and the gradients of q, k, v
     are the unsharded attention's shards."""
