@@ -20,6 +20,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.sequence_parallel.setup import configure_sequence_parallel
 from deepspeed.runtime.sequence_parallel.ulysses_sp import (
+    TiledMLP,
     UlyssesSPAttentionHF,
     UlyssesSPDataLoaderAdapter,
     prepare_sp_batch,
@@ -108,12 +109,30 @@ def reference_run(model: torch.nn.Module, data: list, sp: int) -> tuple:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def sp_run(impl: str, kv_heads: int, length: int, sp: int) -> tuple:
-    """Train under Ulysses + ZeRO-3; compare with the reference. Returns (loss rel diff, param diff)."""
+def tile_mlps(model: torch.nn.Module, shards: int = 3) -> list:
+    """Run every decoder layer's MLP through TiledMLP (this instance only, not the class);
+    returns a list that grows by one entry per slice computed, forward and backward."""
+    calls = []
+
+    def mlp_forward(mlp, x):
+        calls.append(x.shape[1])
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
+        mlp.forward = lambda x, mlp=mlp, params=params: TiledMLP.apply(mlp_forward, mlp, x, shards, params)
+    return calls
+
+
+def sp_run(impl: str, kv_heads: int, length: int, sp: int, tiled: bool = False) -> tuple:
+    """Train under Ulysses + ZeRO-3 (with `tiled`, the MLPs through TiledMLP); compare with the
+    reference. Returns (loss rel diff, param diff)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     data = rank_batches(world, length)
     reference = tiny_llama(impl, kv_heads)
     model = copy.deepcopy(reference)
+    tiled_calls = tile_mlps(model) if tiled else None
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model,
         core_attn_implementation=impl,
@@ -150,6 +169,8 @@ def sp_run(impl: str, kv_heads: int, length: int, sp: int) -> tuple:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    if tiled:  # 8 local tokens in slices of 3, 3, 2: forward, then again in backward, per layer and step
+        assert tiled_calls[:6] == [3, 3, 2] * 2 and len(tiled_calls) == 6 * 2 * len(losses), tiled_calls
     ref_losses, ref_params = reference_run(reference, data, sp)
     group_index = rank // sp
     mine = torch.tensor([step[group_index] for step in ref_losses])
@@ -160,7 +181,7 @@ def sp_run(impl: str, kv_heads: int, length: int, sp: int) -> tuple:
     moved = max(
         (ref_params[n] - p).abs().max().item() for n, p in tiny_llama(impl, kv_heads).named_parameters()
     )
-    case = f"{impl} kv={kv_heads} L={length} sp={sp} world={world}"
+    case = f"{impl} kv={kv_heads} L={length} sp={sp} world={world}" + (" TiledMLP" if tiled else "")
     assert moved > 1e-3, f"{case}: the reference did not train"
     assert loss_rel <= LOSS_RTOL, f"{case}: losses {losses} vs {mine.tolist()} (rel {loss_rel:.3g})"
     assert param_diff <= PARAM_ATOL, f"{case}: final parameters differ by {param_diff:.3g}"
@@ -206,6 +227,7 @@ class TestUlysses(DistributedTest):
             ("eager", 4, 16),
         ]:
             sp_run(impl, kv_heads, length, sp=2)
+        sp_run("sdpa", 2, 15, sp=2, tiled=True)
 
     def test_config_key_creates_groups(self):
         model = torch.nn.Linear(4, 4)
@@ -357,3 +379,70 @@ def test_config_and_mpu_sizes_must_agree():
     ):
         configure_sequence_parallel(4, SpMpu())
     assert configure_sequence_parallel(1, SpMpu()) == 2
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(6, 24), torch.nn.GELU(), torch.nn.Linear(24, 6))
+
+
+def _grads(module: torch.nn.Module) -> list:
+    return [p.grad.clone() for p in module.parameters()]
+
+
+def test_tiled_helpers_match_untiled():
+    """TiledMLP, sequence_tiled_compute and TiledFusedLogitsLoss give the untiled outputs and
+    gradients (of the input and the parameters), with a length no shard count divides."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, sequence_tiled_compute
+
+    x0 = torch.randn(2, 13, 6, generator=torch.Generator().manual_seed(0))
+    upstream = torch.randn(2, 13, 6, generator=torch.Generator().manual_seed(1))
+    plain, tiled = _mlp(), _mlp()
+    x_plain, x_tiled, x_generic = (x0.clone().requires_grad_(True) for _ in range(3))
+    out = plain(x_plain)
+    (out * upstream).sum().backward()
+    got = TiledMLP.apply(lambda m, x: m(x), tiled, x_tiled, 4, list(tiled.parameters()))
+    torch.testing.assert_close(got, out)
+    (got * upstream).sum().backward()
+    torch.testing.assert_close(x_tiled.grad, x_plain.grad)
+    for a, b in zip(_grads(tiled), _grads(plain)):
+        torch.testing.assert_close(a, b)
+
+    generic = _mlp()
+    got = sequence_tiled_compute(
+        lambda x, module: module(x),
+        13,
+        5,
+        {"x": x_generic},
+        {"module": generic},
+        "x",
+        list(generic.parameters()),
+    )
+    (got * upstream).sum().backward()
+    torch.testing.assert_close(x_generic.grad, x_plain.grad)
+    for a, b in zip(_grads(generic), _grads(plain)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="grad_requiring_tensor_key='y' is not one of"):
+        sequence_tiled_compute(lambda x: x, 13, 2, {"x": x0}, {}, "y")
+
+    # The logits and their loss: a mean over the tokens whose label is not -100.
+    head_plain, head_tiled = torch.nn.Linear(6, 11), torch.nn.Linear(6, 11)
+    head_tiled.load_state_dict(head_plain.state_dict())
+    labels = torch.randint(0, 11, (2, 13), generator=torch.Generator().manual_seed(2))
+    labels[0, :5] = -100
+    labels[1, 10:] = -100
+
+    def loss_fn(head, x, y):
+        return torch.nn.functional.cross_entropy(head(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+
+    xa, xb = x0.clone().requires_grad_(True), x0.clone().requires_grad_(True)
+    expected = loss_fn(head_plain, xa, labels)
+    expected.backward()
+    loss = TiledFusedLogitsLoss.apply(
+        loss_fn, head_tiled, xb, labels, labels != -100, 3, [head_tiled.weight], "mean"
+    )
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    torch.testing.assert_close(xb.grad, xa.grad)
+    for a, b in zip(_grads(head_tiled), _grads(head_plain)):
+        torch.testing.assert_close(a, b)

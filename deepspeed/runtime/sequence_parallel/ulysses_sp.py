@@ -37,6 +37,12 @@ import torch
 from deepspeed import comm as dist
 from deepspeed import process_state
 from deepspeed.runtime.sequence_parallel import parallel_state_sp
+from deepspeed.runtime.sequence_parallel.tiled import (  # noqa: F401 (upstream's import path for them)
+    SequenceTiledCompute,
+    TiledFusedLogitsLoss,
+    TiledMLP,
+    sequence_tiled_compute,
+)
 from deepspeed.sequence.layer import seq_all_to_all
 
 CORE_IMPLEMENTATIONS = ("sdpa", "eager")
