@@ -20,6 +20,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.sequence_parallel.setup import configure_sequence_parallel
 from deepspeed.runtime.sequence_parallel.ulysses_sp import (
+    TiledFusedLogitsLoss,
     TiledMLP,
     UlyssesSPAttentionHF,
     UlyssesSPDataLoaderAdapter,
@@ -72,7 +73,23 @@ def rank_batches(world: int, length: int) -> list:
 
 
 def hf_loss(model: torch.nn.Module, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    if logits.dim() == 0:  # already the loss (tiled_logits_loss)
+        return logits
     return model.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=64)
+
+
+def tiled_logits_loss(
+    model: torch.nn.Module, hidden: torch.Tensor, shift_labels: torch.Tensor
+) -> torch.Tensor:
+    """HF's loss over the logits of `model.tiled_head`, two slices of the sequence at a time."""
+
+    def loss_fn(head, x, y):
+        return hf_loss(model, head(x), y)
+
+    head = model.tiled_head
+    return TiledFusedLogitsLoss.apply(
+        loss_fn, head, hidden, shift_labels, shift_labels != -100, 2, [head.weight], "mean"
+    )
 
 
 def sp_loss(
@@ -127,12 +144,15 @@ def tile_mlps(model: torch.nn.Module, shards: int = 3) -> list:
 
 def sp_run(impl: str, kv_heads: int, length: int, sp: int, tiled: bool = False) -> tuple:
     """Train under Ulysses + ZeRO-3 (with `tiled`, the MLPs through TiledMLP); compare with the
-    reference. Returns (loss rel diff, param diff)."""
+    reference; with `tiled` also the logits and loss through TiledFusedLogitsLoss. Returns
+    (loss rel diff, param diff)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     data = rank_batches(world, length)
     reference = tiny_llama(impl, kv_heads)
     model = copy.deepcopy(reference)
     tiled_calls = tile_mlps(model) if tiled else None
+    if tiled:  # the logits and loss through TiledFusedLogitsLoss: the model ends at its final norm
+        model.tiled_head, model.lm_head = model.lm_head, torch.nn.Identity()
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model,
         core_attn_implementation=impl,
@@ -165,6 +185,8 @@ def sp_run(impl: str, kv_heads: int, length: int, sp: int, tiled: bool = False) 
     for batch in loader:
         assert batch["input_ids"].shape[1] == -(-length // sp) * sp // sp and "labels" not in batch
         logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        if tiled:
+            logits = tiled_logits_loss(engine.module, logits, batch["shift_labels"])
         loss = sp_loss(engine.module, logits, batch["shift_labels"], sp_group)
         engine.backward(loss)
         engine.step()
@@ -176,12 +198,17 @@ def sp_run(impl: str, kv_heads: int, length: int, sp: int, tiled: bool = False) 
     mine = torch.tensor([step[group_index] for step in ref_losses])
     loss_rel = ((torch.tensor(losses) - mine).abs() / mine.abs()).max().item()
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        got = {
+            n.replace("tiled_head.", "lm_head."): p.detach().clone()
+            for n, p in engine.module.named_parameters()
+        }
     param_diff = max((got[n] - ref_params[n]).abs().max().item() for n in ref_params)
     moved = max(
         (ref_params[n] - p).abs().max().item() for n, p in tiny_llama(impl, kv_heads).named_parameters()
     )
-    case = f"{impl} kv={kv_heads} L={length} sp={sp} world={world}" + (" TiledMLP" if tiled else "")
+    case = f"{impl} kv={kv_heads} L={length} sp={sp} world={world}" + (
+        " TiledMLP+TiledFusedLogitsLoss" if tiled else ""
+    )
     assert moved > 1e-3, f"{case}: the reference did not train"
     assert loss_rel <= LOSS_RTOL, f"{case}: losses {losses} vs {mine.tolist()} (rel {loss_rel:.3g})"
     assert param_diff <= PARAM_ATOL, f"{case}: final parameters differ by {param_diff:.3g}"
@@ -393,7 +420,7 @@ def _grads(module: torch.nn.Module) -> list:
 def test_tiled_helpers_match_untiled():
     """TiledMLP, sequence_tiled_compute and TiledFusedLogitsLoss give the untiled outputs and
     gradients (of the input and the parameters), with a length no shard count divides."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, sequence_tiled_compute
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
 
     x0 = torch.randn(2, 13, 6, generator=torch.Generator().manual_seed(0))
     upstream = torch.randn(2, 13, 6, generator=torch.Generator().manual_seed(1))

@@ -13,8 +13,9 @@ activation checkpointing (hooks.py), and each accumulation into a trained parame
 hands the engine that slice's part, which it reduces: linear, so the same sum, at the cost of
 one reduction per slice for the tiled parameters (`compute_params` is accepted as upstream's
 argument; nothing needs it here). `fn` must be token-wise along the sequence (an MLP, a norm,
-the logits and their loss): attention is not. Slices are `torch.tensor_split`'s: lengths that
-`shards` does not divide give slices one token apart, never dropped tokens.
+the logits and their loss): attention is not. Slices are `torch.tensor_split`'s, each made contiguous
+(HF losses `.view` their inputs): lengths that `shards` does not divide give slices one token
+apart, never dropped tokens.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class SequenceTiledCompute(torch.autograd.Function):
         ctx.windows = _slices(seqlen, shards)
         ctx.save_for_backward(*sharded.values())
         with torch.no_grad():
-            outputs = [fn(**{k: v[:, w] for k, v in sharded.items()}, **passed) for w in ctx.windows]
+            outputs = [
+                fn(**{k: v[:, w].contiguous() for k, v in sharded.items()}, **passed) for w in ctx.windows
+            ]
         if output_reduction is None:
             return torch.cat(outputs, dim=output_dim)
         weights = [(w.stop - w.start) / seqlen for w in ctx.windows] if output_reduction == "mean" else None
@@ -76,7 +79,7 @@ class SequenceTiledCompute(torch.autograd.Function):
         input_grad = None if target is None or not target.requires_grad else torch.zeros_like(target)
         seqlen = sum(w.stop - w.start for w in ctx.windows)
         for window in ctx.windows:
-            pieces = {k: v[:, window].detach() for k, v in sharded.items()}
+            pieces = {k: v[:, window].detach().contiguous() for k, v in sharded.items()}
             if input_grad is not None:
                 pieces[ctx.grad_key].requires_grad_(True)
             with torch.enable_grad():
@@ -154,14 +157,14 @@ class TiledMLP(torch.autograd.Function):
         ctx.windows = _slices(x.shape[-2], shards)
         ctx.save_for_backward(x)
         with torch.no_grad():
-            return torch.cat([fn(module, _take(x, w, -2)) for w in ctx.windows], dim=-2)
+            return torch.cat([fn(module, _take(x, w, -2).contiguous()) for w in ctx.windows], dim=-2)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (x,) = ctx.saved_tensors
         x_grad = torch.zeros_like(x) if x.requires_grad else None
         for window in ctx.windows:
-            piece = _take(x, window, -2).detach().requires_grad_(x.requires_grad)
+            piece = _take(x, window, -2).detach().contiguous().requires_grad_(x.requires_grad)
             with torch.enable_grad():
                 out = ctx.fn(ctx.module, piece)
             torch.autograd.backward(out, _take(grad, window, -2))
@@ -205,7 +208,11 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
             ctx.weights = [c / total for c in counts]
         ctx.save_for_backward(x, y)
         with torch.no_grad():
-            losses = [fn(module, x[:, w], y[:, w]) * wt for w, wt in zip(ctx.windows, ctx.weights) if wt]
+            losses = [
+                fn(module, x[:, w].contiguous(), y[:, w].contiguous()) * wt
+                for w, wt in zip(ctx.windows, ctx.weights)
+                if wt
+            ]
         return torch.stack(losses).sum() if losses else x.new_zeros(())
 
     @staticmethod
@@ -215,9 +222,9 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         for window, weight in zip(ctx.windows, ctx.weights):
             if not weight:
                 continue  # a slice without counted tokens adds nothing (and may be NaN)
-            piece = x[:, window].detach().requires_grad_(x.requires_grad)
+            piece = x[:, window].detach().contiguous().requires_grad_(x.requires_grad)
             with torch.enable_grad():
-                loss = ctx.fn(ctx.module, piece, y[:, window])
+                loss = ctx.fn(ctx.module, piece, y[:, window].contiguous())
             torch.autograd.backward(loss, grad * weight)
             if x_grad is not None:
                 x_grad[:, window] = piece.grad
