@@ -23,6 +23,9 @@ import torch.distributed as _dist
 
 from deepspeed import process_state
 from deepspeed.comm import env_discovery, shm
+from deepspeed.comm.handle import AllWorks as _AllWorks
+from deepspeed.comm.handle import CommHandle
+from deepspeed.comm.handle import handle_of as _handle
 from deepspeed.utils.comms_logging import CommsLogger
 from deepspeed.utils.logging import logger
 
@@ -38,56 +41,6 @@ _REDUCE_SCATTER_SINGLE = getattr(_dist, "reduce_scatter_single", None) or _dist.
 # From this many output bytes up, an all-gather on gloo is one broadcast per rank
 # ([Note: all-gather on gloo]); below it the native all-gather's single round trip wins.
 GLOO_BROADCAST_MIN_BYTES = 256 * 1024
-
-
-class CommHandle:
-    """The result of a collective: `wait()` blocks until it finished (idempotent)."""
-
-    __slots__ = ("_work", "_on_complete")
-
-    def __init__(self, work: Optional[Any] = None, on_complete: Optional[Any] = None) -> None:
-        self._work = work  # a torch Work object, or None when the call was synchronous
-        self._on_complete = on_complete  # runs once, after the work finished
-
-    def wait(self) -> None:
-        if self._work is None:
-            return  # synchronous call, or already waited on
-        self._work.wait()
-        self._work = None
-        if self._on_complete is not None:
-            self._on_complete()
-            self._on_complete = None
-
-    def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
-
-    def after_wait(self, fn: Any) -> None:
-        """Run `fn()` once the work finished: in `wait()`, after its own completion (now if done)."""
-        if self._work is None:
-            fn()
-            return
-        first = self._on_complete
-        self._on_complete = fn if first is None else lambda: (first(), fn())
-
-
-class _AllWorks:
-    """Several torch Work objects waited on as one (a collective built from several)."""
-
-    __slots__ = ("_works",)
-
-    def __init__(self, works: list) -> None:
-        self._works = works
-
-    def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
-
-
-def _handle(work: Optional[Any], async_op: bool) -> CommHandle:
-    return CommHandle(work if async_op else None)
 
 
 # Times and records collectives while enabled ([Note: the communication logger] in
@@ -532,6 +485,29 @@ def reduce(
             reduce, (tensor, dst, op, group, async_op), log_name, prof, group, _nbytes(tensor), async_op
         )
     return _handle(_dist.reduce(tensor, dst, op=op, group=group, async_op=async_op), async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Optional[list] = None,
+    input_split_sizes: Optional[list] = None,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+) -> CommHandle:
+    """Rank r sends the i-th slice of `input` (along dim 0) to rank i and receives rank i's
+    r-th slice into the i-th slice of `output`; equal slices unless split sizes are given.
+    gloo, nccl and the CPU backends all have it natively in torch 2.13 (Ulysses' sequence
+    parallelism and gloo's reduce-scatter use it)."""
+    work = _dist.all_to_all_single(
+        output,
+        input,
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+        group=group,
+        async_op=async_op,
+    )
+    return _handle(work, async_op)
 
 
 def all_gather(

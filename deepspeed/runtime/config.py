@@ -238,7 +238,7 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     _unsupported: ClassVar[dict[str, Unsupported]] = {
         "sparse_gradients": unsupported_when_true("gradients are reduce-scattered as dense tensors"),
         "seq_parallel_communication_data_type": Unsupported(
-            "sequence parallelism is not implemented; remove the key or set it to 'fp32'"
+            "Ulysses' all-to-all runs in the activations' dtype here; remove the key or set it to 'fp32'"
         ),
         "dump_state": unsupported_when_true(
             "state dumps are not implemented; print(engine._config.describe())"
@@ -251,7 +251,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         "use_data_before_expert_parallelism": unsupported_when_true(
             "mixture-of-experts groups are not implemented"
         ),
-        "sequence_parallel_size": Unsupported("sequence parallelism is not implemented; set it to 1"),
         "load_universal_checkpoint": unsupported_when_true(
             "universal checkpoints are not read; checkpoints saved here load on any number of ranks as they are"
         ),
@@ -400,7 +399,9 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     """Upstream MoE group layout option; true is refused."""
 
     sequence_parallel_size: int = Field(1, ge=1)
-    """Ranks that split one sequence (Ulysses); values other than 1 are refused."""
+    """Ranks that split one sequence (Ulysses, docs/sequence_parallel.md): consecutive ranks form
+    each group; it must divide the world size, and the batch-size identity counts world / sp
+    data-parallel ranks. An mpu from `register_with_transformers` sets it; both given must agree."""
 
     checkpoint: FreeForm = None
     """Checkpoint options; use_node_local_storage and tag_validation Warn/Fail are read, others refused."""
@@ -636,10 +637,23 @@ class DeepSpeedConfig:
         gas = typed.gradient_accumulation_steps
         if not self.strict and train is None and micro is None and gas is None:
             micro = 1  # zero.Init does not train; upstream would refuse here
+        self.world_size = self._sequences_in_parallel(self.world_size)
         train, micro, gas = resolve_batch_sizes(train, micro, gas, self.world_size)
         self.train_batch_size = train
         self.train_micro_batch_size_per_gpu = micro
         self.gradient_accumulation_steps = gas
+
+    def _sequences_in_parallel(self, world_size: int) -> int:
+        """The data-parallel size of the batch identity: the world over `sequence_parallel_size`,
+        unless a sequence-parallel mpu already gave it (its get_data_parallel_world_size)."""
+        sp = self.typed_config.sequence_parallel_size
+        if sp == 1 or hasattr(self.mpu, "get_sequence_parallel_world_size"):
+            return world_size
+        if world_size % sp != 0:
+            raise DeepSpeedConfigError(
+                f"sequence_parallel_size={sp} does not divide the world size {world_size}; choose a divisor of it"
+            )
+        return world_size // sp
 
     def _set_precision_attributes(self) -> None:
         typed = self.typed_config

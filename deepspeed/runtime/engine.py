@@ -35,6 +35,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine_queries import EngineQueries, train_dtype
 from deepspeed.runtime.forward_prologue import forward_prologue, report_progress
 from deepspeed.runtime.host_malloc import keep_freed_memory_for_reuse
+from deepspeed.runtime.sequence_parallel.setup import configure_sequence_parallel
 from deepspeed.runtime.utils import see_memory_usage
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.leaf_grads import LeafGradients
@@ -76,6 +77,10 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
             keep_freed_memory_for_reuse()  # see host_malloc.py's note
         self._check_ranks_agree(model)
         self.mpu = mpu
+        # Ulysses: ZeRO still spans every rank (runtime/sequence_parallel/setup.py)
+        self.sequence_parallel_size = configure_sequence_parallel(
+            self._config.typed_config.sequence_parallel_size, mpu
+        )
         self.zero = choose_strategy(self._config)  # the one object that knows the ZeRO stage (zero/stage.py)
         self.zero.refuse_model_parallelism(model, self.mp_world_size)
         self._configure_activation_checkpointing(mpu)

@@ -45,6 +45,25 @@ def test_bench_gather_quick(tmp_path):
 
 
 @pytest.mark.timeout(150)
+def test_bench_sequence_parallel_quick(tmp_path):
+    """Ulysses: the all-to-all bytes it counts are the formula's; sp=2 holds fewer activation
+    bytes than sp=1, and tiling fewer than no tiling (read back from its JSON)."""
+    out = _run("bench_sequence_parallel.py", "--json", str(tmp_path / "sp.json"))
+    assert "saved for backward" in out and "a2a/layer fwd" in out, out
+    rows = json.loads((tmp_path / "sp.json").read_text())["rows"]
+    assert sorted({(r["sp"], r["tiled"]) for r in rows}) == [
+        (sp, t) for sp in (1, 2, 4) for t in (False, True)
+    ]
+    for row in rows:
+        assert row["a2a_bytes_per_layer"] == row["a2a_formula_bytes_per_layer"], row
+        assert row["a2a_bytes_backward"] == row["a2a_bytes_per_layer"] * 2, (
+            row
+        )  # 2 layers, as much as forward
+    saved = {(r["sp"], r["tiled"]): r["saved_bytes"] for r in rows if r["rank"] == 0}
+    assert saved[(2, False)] < saved[(1, False)] and saved[(1, True)] < saved[(1, False)], saved
+
+
+@pytest.mark.timeout(150)
 def test_bench_init_memory_quick(tmp_path):
     out = _run("bench_init_memory.py", "--json", str(tmp_path / "init.json"))
     assert "ideal MB" in out and "ratio" in out

@@ -483,6 +483,8 @@ class Init:
             return sequence_data_parallel_group
         if data_parallel_group is not None:
             return data_parallel_group
+        if mpu is not None and hasattr(mpu, "get_sequence_data_parallel_group"):
+            return mpu.get_sequence_data_parallel_group()  # sequence parallelism: partition over every rank
         if mpu is not None:
             return mpu.get_data_parallel_group()
         return None
