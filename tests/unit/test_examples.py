@@ -49,9 +49,9 @@ def test_check_example_runs_on_two_ranks(script):
     assert "MISMATCH" not in out and out.count(": OK (") == 2, out
 
 
-def test_main_demo_runs_as_one_plain_process():
+def test_main_demo_runs_as_one_plain_process(tmp_path):
     """`python examples/zero3_demo.py`: the same code at world size 1, every resumed engine agreeing."""
-    out = run([sys.executable, "examples/zero3_demo.py"])
+    out = run([sys.executable, "examples/zero3_demo.py", "--log_dir", str(tmp_path)])
     assert "on 1 ranks (gloo)" in out, out
     assert "partitioned model equals the same-seed plain model: True" in out
     assert "edit kept: True" in out
