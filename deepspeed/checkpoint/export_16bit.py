@@ -22,7 +22,7 @@ def consolidated_16bit_state_dict(
     one module's parameters are whole at once; tied parameters share one tensor, and
     persistent buffers are included, in `module.state_dict()` order.
     """
-    rank0 = engine.checkpoint_rank_and_world()[0] == 0
+    rank0 = engine.checkpoint_rank_and_world()[0] == 0 and engine.checkpoint_writes_files()
     out: Optional[OrderedDict] = OrderedDict() if rank0 else None
     seen: dict = {}  # id(param) -> the key it was stored under
     for prefix, module in engine.checkpoint_module().named_modules(remove_duplicate=False):

@@ -57,6 +57,10 @@ class CheckpointEngine(Protocol):
     def checkpoint_rank_and_world(self) -> tuple:
         """`(rank, world size)` of the data-parallel group the shards are cut over."""
 
+    def checkpoint_writes_files(self) -> bool:
+        """Whether this rank writes its files: False on MiCS replicas but the first, whose
+        shards are the same as the first's (see [Note: MiCS] in runtime/zero/mics.py)."""
+
     def checkpoint_record(self) -> dict:
         """What the files record about the run, never read back: `zero_stage`, `dtype`, `ds_config`."""
 

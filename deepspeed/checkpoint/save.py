@@ -179,6 +179,9 @@ def _write_rank_files(
     layout.check_tag(tag)
     if header["tag"] != tag:
         raise ValueError(f"checkpoint tag {tag!r} differs from rank 0's {header['tag']!r}; pass one tag")
+    if not engine.checkpoint_writes_files():
+        _refuse_replicas_on_node_local_storage(engine)
+        return  # a MiCS replica: the first replica writes these shards
     entries = _checkpoint_entries(engine, exclude_frozen)
     os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
     model_path = model_states_path(engine, save_dir, tag)
@@ -196,6 +199,8 @@ def _publish_save(
     # `checkpoint.use_node_local_storage` (HF's save_on_each_node): each node's storage is
     # its own, so the first rank of every node publishes there; otherwise rank 0 alone.
     rank, world = engine.checkpoint_rank_and_world()
+    if not engine.checkpoint_writes_files():
+        return
     if engine.publishes_on_every_node():
         if not rank_phases.is_first_on_node():
             return
@@ -207,6 +212,14 @@ def _publish_save(
     make_executable(layout.write_recovery_script(save_dir))
     if save_latest:
         layout.write_latest(save_dir, tag)
+
+
+def _refuse_replicas_on_node_local_storage(engine: CheckpointEngine) -> None:
+    if engine.publishes_on_every_node():
+        raise CheckpointError(
+            "checkpoint.use_node_local_storage with MiCS: only the first replica writes the shards, so the "
+            "other nodes' storage would lack them; save to storage every node shares, or set it to false"
+        )
 
 
 # ============================================================================ the files

@@ -557,6 +557,7 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     @model_validator(mode="after")
     def _check_zero_offload(self) -> "DeepSpeedRootConfig":
         self.zero_optimization.check_offload_stage()  # needs the stage this whole config runs
+        self.zero_optimization.check_mics_stage()
         return self
 
     @model_validator(mode="after")

@@ -249,8 +249,12 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         )
 
     def _install_grad_hooks(self) -> list:
+        mics = self.zero.mics  # MiCS: gradients are averaged over the replicas too (zero/mics.py)
         self.reducer = GradientReducer.from_config(
-            self._config, self.optimizer.accumulate_grad, self.optimizer.settle_gradients
+            self._config,
+            self.optimizer.accumulate_grad,
+            self.optimizer.settle_gradients,
+            replica_group=None if mics is None else mics.replica_group,
         )
         handles = []
         for state in self.optimizer.states:
@@ -659,7 +663,13 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
     def checkpoint_rank_and_world(self) -> tuple:
         if not dist.is_initialized():
             return 0, 1
+        mics = self.zero.mics  # MiCS: the shards are cut over the shard group ([Note: MiCS])
+        if mics is not None:
+            return mics.shard_ranks.index(dist.get_rank()), mics.shard_size
         return dist.get_rank(), dist.get_world_size()  # model parallelism is refused: dp is the world
+
+    def checkpoint_writes_files(self) -> bool:
+        return self.zero.mics is None or self.zero.mics.replica_index == 0
 
     def checkpoint_counters(self) -> dict:
         return {

@@ -15,10 +15,24 @@ whole sequence's loss, weighted by tokens, through a differentiable all-gather).
 
 The layout is per process (the groups are torch process groups every rank created together),
 registered in `deepspeed/process_state.py`; `initialize_sequence_parallel` sets it once.
+
+[Note: nodes and MiCS groups]
+Which ranks share a node (`node_layout`) comes from the launcher: each rank contributes its
+node's name (`CROSS_RANK`, which our launcher exports, else the host name) and the ranks
+agree on the list with one all-gather. `DEEPSPEED_RANKS_PER_NODE=n` overrides it without
+any collective: ranks [0, n) are node 0, [n, 2n) node 1, ..., so 4 local ranks can act as
+2 nodes of 2 in tests. MiCS (`zero_optimization.mics_shard_size = s`) cuts the world into
+shard groups of `s` consecutive ranks, [0, s), [s, 2 s), ...; parameters, gradients and
+optimizer state are partitioned within a shard group, and each shard group holds a whole
+replica of the model. The ranks at the same position of every shard group
+(p, p + s, p + 2 s, ...) hold the same shard: they form a replica group, over which
+gradients are averaged after the reduce-scatter inside the shard group.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,6 +62,135 @@ class _SequenceParallelState:
 
 
 _SP = process_state.register("deepspeed.utils.groups._SP", _SequenceParallelState(), lambda: _SP.reset())
+
+RANKS_PER_NODE_ENV = "DEEPSPEED_RANKS_PER_NODE"
+
+
+@dataclass(frozen=True)
+class MicsLayout:
+    """This rank's MiCS groups ([Note: nodes and MiCS groups])."""
+
+    shard_size: int  # ranks sharing one replica of the model
+    shard_ranks: tuple  # this rank's shard group, global ranks in order
+    shard_group: dist.ProcessGroup
+    replica_ranks: tuple  # the ranks holding the same shard as this one (world / shard_size of them)
+    replica_group: dist.ProcessGroup
+
+    @property
+    def replicas(self) -> int:
+        return len(self.replica_ranks)
+
+    @property
+    def replica_index(self) -> int:
+        """Which replica this rank belongs to (0: the first shard group)."""
+        return self.replica_ranks.index(dist.get_rank())
+
+
+class _TopologyState:
+    """The per-process node layout and MiCS groups (created once per size: every rank
+    creates torch process groups together)."""
+
+    def __init__(self) -> None:
+        self.nodes: Optional[tuple] = None  # node index of every global rank
+        self.mics: dict = {}  # shard size -> MicsLayout
+
+    def reset(self) -> None:
+        self.nodes = None
+        self.mics = {}
+
+
+_TOPOLOGY = process_state.register(
+    "deepspeed.utils.groups._TOPOLOGY", _TopologyState(), lambda: _TOPOLOGY.reset()
+)
+
+
+def _ranks_per_node_override(world: int) -> Optional[int]:
+    raw = os.environ.get(RANKS_PER_NODE_ENV)
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1 or world % n != 0:
+        raise ValueError(
+            f"{RANKS_PER_NODE_ENV}={raw!r} must be a positive integer dividing the world size {world}; "
+            "unset it to take the nodes from the launcher"
+        )
+    return n
+
+
+def node_layout() -> tuple:
+    """The node index of every global rank, in rank order ([Note: nodes and MiCS groups]).
+
+    Collective on its first call unless `DEEPSPEED_RANKS_PER_NODE` is set: every rank must call it."""
+    if _TOPOLOGY.nodes is not None:
+        return _TOPOLOGY.nodes
+    world = dist.get_world_size()
+    per_node = _ranks_per_node_override(world)
+    if per_node is not None:
+        nodes = tuple(r // per_node for r in range(world))
+    else:
+        name = os.environ.get("CROSS_RANK") or socket.gethostname()
+        names = [None] * world
+        dist.all_gather_object(names, name)
+        first_seen: dict = {}
+        nodes = tuple(first_seen.setdefault(n, len(first_seen)) for n in names)
+    _TOPOLOGY.nodes = nodes
+    return nodes
+
+
+def ranks_on_node(node: int) -> tuple:
+    """The global ranks of node `node`, in order."""
+    return tuple(r for r, n in enumerate(node_layout()) if n == node)
+
+
+def node_of(rank: int) -> int:
+    """The node index of global rank `rank`."""
+    return node_layout()[rank]
+
+
+def initialize_mics(shard_size: int) -> MicsLayout:
+    """The MiCS groups for `shard_size` (created on the first call for that size; every rank
+    must call it with the same size)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if (
+        isinstance(shard_size, bool)
+        or not isinstance(shard_size, int)
+        or shard_size < 1
+        or world % shard_size
+    ):
+        raise ValueError(
+            f"zero_optimization.mics_shard_size={shard_size!r} must be a positive divisor of the world size "
+            f"{world} (shard groups are made of consecutive ranks), or -1 to turn MiCS off"
+        )
+    known = _TOPOLOGY.mics.get(shard_size)
+    if known is not None:
+        return known
+    shard = replica = None
+    # torch.distributed.new_group must be called by every rank for every group, in one order.
+    for first in range(0, world, shard_size):
+        ranks = tuple(range(first, first + shard_size))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            shard = (ranks, group)
+    for position in range(shard_size):
+        ranks = tuple(range(position, world, shard_size))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            replica = (ranks, group)
+    layout = MicsLayout(shard_size, shard[0], shard[1], replica[0], replica[1])
+    _TOPOLOGY.mics[shard_size] = layout
+    return layout
+
+
+def mics_layout_for(zero_config) -> Optional[MicsLayout]:
+    """The MiCS groups a `zero_optimization` config asks for; None when MiCS is off
+    (`mics_shard_size` -1)."""
+    size = getattr(zero_config, "mics_shard_size", -1) if zero_config is not None else -1
+    if size is None or size < 0:
+        return None
+    return initialize_mics(size)
 
 
 def initialize_sequence_parallel(sequence_parallel_size: int) -> SequenceParallelLayout:

@@ -1,6 +1,7 @@
 """`deepspeed.zero`: the public ZeRO-3 API (`Init`, `GatheredParameters`, external parameters, `TiledLinear`)."""
 
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
+from deepspeed.runtime.zero.mics import MiCS_Init
 from deepspeed.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
@@ -13,6 +14,7 @@ from deepspeed.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias
 __all__ = [
     "GatheredParameters",
     "Init",
+    "MiCS_Init",
     "TiledLinear",
     "TiledLinearReturnBias",
     "ZeroParamStatus",

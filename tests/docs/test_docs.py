@@ -20,7 +20,7 @@ from tests.unit.test_launcher import clean_env, launcher_cmd
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = str(Path(__file__).with_name("run_doc.py"))
 PAGES = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
-TWO_RANK_PAGES = {"docs/gathered_parameters.md", "docs/sequence_parallel.md"}
+TWO_RANK_PAGES = {"docs/gathered_parameters.md", "docs/hierarchical.md", "docs/sequence_parallel.md"}
 NO_CODE_PAGES = {
     "docs/architecture.md",
     "docs/config.md",

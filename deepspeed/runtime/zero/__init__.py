@@ -11,6 +11,7 @@ from deepspeed import _lazy_attributes
 
 _PUBLIC = {  # name -> the module that defines it
     "Init": "deepspeed.runtime.zero.partition_parameters",
+    "MiCS_Init": "deepspeed.runtime.zero.mics",
     "GatheredParameters": "deepspeed.runtime.zero.partition_parameters",
     "register_external_parameter": "deepspeed.runtime.zero.partition_parameters",
     "unregister_external_parameter": "deepspeed.runtime.zero.partition_parameters",

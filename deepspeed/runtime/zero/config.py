@@ -91,10 +91,6 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             "ZeRO++ quantized gradient reduce-scatter (qgZ)", "set it to false"
         ),
         "zeropp_loco_param": _refuse("LoCo-ZeRO++", "remove the key"),
-        "mics_shard_size": _refuse(
-            "MiCS sharding groups", "set it to -1 (shard over all data-parallel ranks)"
-        ),
-        "mics_hierarchical_params_gather": _refuse("MiCS hierarchical gathers", "set it to false"),
         "log_trace_cache_warnings": _refuse("trace-cache warnings", "set it to false"),
         "save_muon_momentum_buffer_in_memory": _refuse("Muon NVMe offload options", "set it to false"),
         "zenflow": _refuse("ZenFlow", "remove the key"),
@@ -217,10 +213,14 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """LoCo-ZeRO++ settings (``err_beta``, ``reset_T``); free-form."""
 
     mics_shard_size: int = -1
-    """MiCS: ranks per parameter shard group; -1 turns MiCS off."""
+    """MiCS (stage 3): parameters, gradients and optimizer state are partitioned within groups of
+    this many consecutive ranks and replicated across the groups; gradients are reduce-scattered
+    within a group, then averaged across the groups. Must divide the world size; -1 turns MiCS off."""
 
     mics_hierarchical_params_gather: bool = False
-    """MiCS: gather parameters in two levels (intra-node, then inter-node)."""
+    """MiCS: upstream gathers parameters in two hops (within a node, then across nodes) when a
+    shard group spans nodes. Accepted with `mics_shard_size`; here every gather is one
+    all-gather over the shard group, which gives the same values (docs/hierarchical.md)."""
 
     memory_efficient_linear: bool = True
     """Stage 3: use the memory-efficient linear layer that does not keep gathered weights."""
@@ -277,6 +277,15 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             data[key] = {"pin_memory": bool(pin), **data[key]}  # an explicit pin_memory wins
         return data
 
+    @field_validator("mics_shard_size", mode="after")
+    @classmethod
+    def _mics_shard_size_is_positive_or_off(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(
+                f"must be a positive number of ranks per shard group, or -1 (MiCS off); got {value}"
+            )
+        return value
+
     @field_validator("elastic_checkpoint", mode="after")
     @classmethod
     def _elastic_checkpoint_is_deprecated(cls, value: bool) -> bool:
@@ -299,6 +308,20 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         if value is not None:
             return value
         return info.data.get("stage") == ZeroStageEnum.weights
+
+    def check_mics_stage(self) -> None:
+        """MiCS partitions parameters, so it is a stage-3 feature (as upstream); called by the
+        whole config, like `check_offload_stage`."""
+        if self.mics_shard_size > 0 and self.stage != ZeroStageEnum.weights:
+            raise ValueError(
+                f"zero_optimization.mics_shard_size={self.mics_shard_size} (MiCS) needs stage 3, got stage "
+                f"{int(self.stage)}; set stage to 3 or mics_shard_size to -1"
+            )
+        if self.mics_hierarchical_params_gather and self.mics_shard_size < 1:
+            raise ValueError(
+                "zero_optimization.mics_hierarchical_params_gather=True needs MiCS: set mics_shard_size to a "
+                "positive divisor of the world size, or the key to false"
+            )
 
     def check_offload_stage(self) -> None:
         """Refuse offload settings the configured stage cannot act on. Called by the whole

@@ -30,6 +30,13 @@ rounding; with ``gradient_allreduce_op: "sum"`` it is then multiplied by the wor
 sum. Dividing first is what keeps an fp16 sum from overflowing where each rank's
 gradient is finite: summing first made the loss scale and the skipped steps depend on the
 number of ranks (two ranks' 49152 overflowed fp16; their average does not).
+
+[Note: the replica all-reduce]
+Under MiCS (zero/mics.py) the reduce-scatter runs within a shard group; each received shard
+is then divided by the number of replicas (not with ``gradient_allreduce_op: "sum"``) and
+all-reduced over the replica group, before it is added to the gradient shard, so every
+replica adds the average over the whole world. Every rank completes its buckets in issue
+order, so the replica all-reduces pair up across the groups.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ class GradientReducer:
         predivide_factor: float = 1.0,
         sum_over_ranks: bool = False,
         settle: Optional[Callable] = None,
+        replica_group: Any = None,
     ) -> None:
         if predivide_factor <= 0:
             raise ValueError(f"gradient_predivide_factor must be positive, got {predivide_factor}")
@@ -87,6 +95,9 @@ class GradientReducer:
         self.prescale_gradients = prescale_gradients
         self.predivide_factor = float(predivide_factor)
         self.sum_over_ranks = sum_over_ranks  # gradient_allreduce_op "sum": the sum, not the average
+        # MiCS: the ranks holding the same shards ([Note: the replica all-reduce]); None: no replicas.
+        self.replica_group = replica_group
+        self.replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
         self._pending: dict = {}  # (id(group), dtype) -> list of (state, grad)
         self._pending_elems: dict = {}
         self._in_flight: list = []  # _InFlight, oldest first
@@ -96,7 +107,7 @@ class GradientReducer:
 
     @classmethod
     def from_config(
-        cls, config: Any, accumulate: Callable, settle: Optional[Callable] = None
+        cls, config: Any, accumulate: Callable, settle: Optional[Callable] = None, replica_group: Any = None
     ) -> GradientReducer:
         """A reducer set up from a `DeepSpeedConfig`: bucket size, dtype, overlap and scaling."""
         zero = config.zero_config
@@ -109,6 +120,7 @@ class GradientReducer:
             prescale_gradients=config.prescale_gradients,
             predivide_factor=config.gradient_predivide_factor,
             sum_over_ranks=config.gradient_allreduce_op == "sum",
+            replica_group=replica_group,
         )
 
     def scales(self, world: int) -> tuple:
@@ -222,6 +234,10 @@ class GradientReducer:
         work.handle.wait()
         self._spare.extend(work.buffers)
         _, after = self.scales(work.world)
+        if self.replicas > 1:
+            if not self.sum_over_ranks:
+                work.received.mul_(1.0 / self.replicas)
+            dist.all_reduce(work.received, group=self.replica_group)
         # Each state gets its own disjoint view of `received`, which the accumulator may keep.
         pieces = torch.split(work.received, [s.partition_size for s in work.states])
         for state, piece in zip(work.states, pieces):

@@ -49,6 +49,7 @@ from deepspeed.runtime.zero.patching import (  # noqa: F401 - upstream names, re
     zero_wrapper_for_fp_tensor_constructor,
 )
 from deepspeed.runtime.zero.start_stop import StartStopTracker, live_contexts
+from deepspeed.utils.groups import mics_layout_for
 
 __all__ = [
     "GatheredParameters",
@@ -159,6 +160,7 @@ class _InitSettings:
     remote_device: Optional[str]  # where shards live; None: on `device`
     pin_memory: bool
     group: Any  # the partition process group (None: the world)
+    broadcast_group: Any  # whose rank 0 gives every initial value (the group, or the world for MiCS)
     world_size: int
     rank: int
     sanity_checks: bool
@@ -172,9 +174,12 @@ class _InitSettings:
         self.device = torch.device(accelerator.current_device_name())
         self.remote_device = None if init.remote_device in (None, "none") else init.remote_device
         self.pin_memory = bool(init.pin_memory) and self.remote_device == "cpu"
-        self.group = init.group
-        self.world_size = dist.get_world_size(init.group)
-        self.rank = dist.get_rank(init.group)
+        # MiCS (docs/hierarchical.md): a shard group; every replica starts from rank 0's values.
+        mics = mics_layout_for(init.mics_config) if init.group is None else None
+        self.group = init.group if mics is None else mics.shard_group
+        self.broadcast_group = self.group if mics is None else None
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
         self.sanity_checks = init.sanity_checks
         self.override_module_apply = init.override_module_apply
         self.mem_efficient_linear = init.mem_efficient_linear
@@ -313,10 +318,10 @@ def convert_params(
         if data.is_floating_point() and data.dtype != settings.dtype:
             data = data.to(settings.dtype)
         p.data = data
-    if settings.world_size > 1:
+    if dist.get_world_size(settings.broadcast_group) > 1:
         # Ranks may have drawn different random initial values: rank 0's are the model.
-        src = dist.get_global_rank(settings.group, 0)
-        gather.broadcast_coalesced([p.data for p in params], src, settings.group)
+        src = dist.get_global_rank(settings.broadcast_group, 0)
+        gather.broadcast_coalesced([p.data for p in params], src, settings.broadcast_group)
 
     accelerator = get_accelerator()
     shard_views = _flat_shard_views(params, settings, accelerator)
@@ -468,6 +473,7 @@ class Init:
         self.sanity_checks = bool(zero.enable_sanity_checks) if zero is not None else False
         self.override_module_apply = bool(zero.override_module_apply) if zero is not None else True
         self.group = self._choose_group(data_parallel_group, mpu, sequence_data_parallel_group)
+        self.mics_config = zero if mpu is None else None  # its mics_shard_size, where no group is given
         self._tracker = StartStopTracker(self, self._describe())
         if module is not None and enabled:
             self._convert_existing(module)

@@ -29,6 +29,7 @@ from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from deepspeed.runtime.zero.linear import route_linears
+from deepspeed.runtime.zero.mics import check_mics_partitioning, mics_layout
 from deepspeed.runtime.zero.parameter import is_zero_param
 from deepspeed.runtime.zero.partition_parameters import Init, cast_partitioned, live_modifier_gathers
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -78,6 +79,7 @@ class ZeroStrategy:
     zero_states: list  # stage 3: every ZeRO parameter's state, by ds_id; empty below
     persistent: list  # stage 3: the states that stay gathered; empty below
     replicated: dict  # stages 0-2: id(param) -> ReplicatedShard; empty at stage 3
+    mics: Any  # a MicsLayout under MiCS, else None
     inside_no_sync: bool  # see no_sync()
 
     def __init__(self, config: Any) -> None:
@@ -89,6 +91,7 @@ class ZeroStrategy:
         self.persistent = []
         self.replicated = {}
         self.inside_no_sync = False
+        self.mics = None  # stage 3 with mics_shard_size: the MiCS groups (zero/mics.py)
 
     # ------------------------------------------------------------------ set-up
 
@@ -330,9 +333,11 @@ class ShardedParameters(ZeroStrategy):
 
     def prepare_module(self, module: nn.Module, dtype: torch.dtype, on_leaf_backward_done: Callable) -> None:
         zero = self.config.zero_config
+        self.mics = mics_layout(self.config)  # [Note: MiCS] in zero/mics.py
         if any(not is_zero_param(p) for p in module.parameters()):
             # A model not built under zero.Init: partition it now, in the training dtype.
             Init(module=module, dtype=dtype, config_dict_or_path=self.config)
+        check_mics_partitioning(module, self.mics)
         cast_partitioned(module, dtype)  # parts built under an Init of another dtype
         cast_in_place(module.buffers(), dtype)
         route_linears(module)  # [Note: what autograd keeps of a gathered weight] in zero/linear.py
