@@ -22,7 +22,7 @@ import torch
 import torch.distributed as _dist
 
 from deepspeed import process_state
-from deepspeed.comm import env_discovery, shm
+from deepspeed.comm import env_discovery, hierarchical, shm
 from deepspeed.comm.handle import AllWorks as _AllWorks
 from deepspeed.comm.handle import CommHandle
 from deepspeed.comm.handle import handle_of as _handle
@@ -551,6 +551,10 @@ def all_gather_into_tensor(
             f"all_gather_into_tensor: output has {output_tensor.numel()} elements, which is not "
             f"{world} ranks x the input's {input_tensor.numel()}"
         )
+    two_hop = hierarchical.plan_for(group)  # [Note: the two-hop all-gather]
+    if two_hop is not None:
+        two_hop.all_gather(output_tensor, input_tensor)
+        return CommHandle()
     if output_tensor.dtype == input_tensor.dtype:
         channel = _shm_channel(group, output_tensor, input_tensor)
         if channel is not None:
@@ -615,6 +619,13 @@ def all_gather_into_columns(
     in_place = input_tensor is None
     if in_place and world == 1:
         return  # the one row is already this rank's
+    two_hop = hierarchical.plan_for(group)  # [Note: the two-hop all-gather]
+    if two_hop is not None:
+        mine = torch.cat([out[get_rank(group)] for out in outputs]) if in_place else input_tensor
+        gathered = torch.empty(world, n, dtype=mine.dtype, device=mine.device)
+        two_hop.all_gather(gathered, mine)
+        torch.split_with_sizes_copy(gathered, sizes, dim=1, out=outputs)
+        return
     if in_place:
         channel = _shm_channel(group) if all(out.is_cpu for out in outputs) else None
     else:

@@ -38,6 +38,7 @@ from typing import Optional
 
 from deepspeed import comm as dist
 from deepspeed import process_state
+from deepspeed.comm import hierarchical
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class MicsLayout:
     shard_group: dist.ProcessGroup
     replica_ranks: tuple  # the ranks holding the same shard as this one (world / shard_size of them)
     replica_group: dist.ProcessGroup
+    # mics_hierarchical_params_gather where the shard group spans nodes: its two-hop gather
+    # (comm/hierarchical.py); None: one all-gather over the shard group.
+    two_hop: Optional[hierarchical.TwoHopPlan] = None
 
     @property
     def replicas(self) -> int:
@@ -92,7 +96,7 @@ class _TopologyState:
 
     def __init__(self) -> None:
         self.nodes: Optional[tuple] = None  # node index of every global rank
-        self.mics: dict = {}  # shard size -> MicsLayout
+        self.mics: dict = {}  # (shard size, hierarchical) -> MicsLayout
 
     def reset(self) -> None:
         self.nodes = None
@@ -150,9 +154,10 @@ def node_of(rank: int) -> int:
     return node_layout()[rank]
 
 
-def initialize_mics(shard_size: int) -> MicsLayout:
+def initialize_mics(shard_size: int, hierarchical_gather: bool = False) -> MicsLayout:
     """The MiCS groups for `shard_size` (created on the first call for that size; every rank
-    must call it with the same size)."""
+    must call it with the same arguments). `hierarchical_gather`: shard groups that span
+    nodes gather in two hops ([Note: the two-hop all-gather] in comm/hierarchical.py)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if (
         isinstance(shard_size, bool)
@@ -164,7 +169,7 @@ def initialize_mics(shard_size: int) -> MicsLayout:
             f"zero_optimization.mics_shard_size={shard_size!r} must be a positive divisor of the world size "
             f"{world} (shard groups are made of consecutive ranks), or -1 to turn MiCS off"
         )
-    known = _TOPOLOGY.mics.get(shard_size)
+    known = _TOPOLOGY.mics.get((shard_size, hierarchical_gather))
     if known is not None:
         return known
     shard = replica = None
@@ -179,9 +184,52 @@ def initialize_mics(shard_size: int) -> MicsLayout:
         group = dist.new_group(list(ranks))
         if rank in ranks:
             replica = (ranks, group)
-    layout = MicsLayout(shard_size, shard[0], shard[1], replica[0], replica[1])
-    _TOPOLOGY.mics[shard_size] = layout
+    two_hop = _two_hop_plan(shard_size, shard[1]) if hierarchical_gather else None
+    layout = MicsLayout(shard_size, shard[0], shard[1], replica[0], replica[1], two_hop)
+    _TOPOLOGY.mics[(shard_size, hierarchical_gather)] = layout
     return layout
+
+
+def _node_blocks(first: int, size: int, nodes: tuple) -> list:
+    """The ranks [first, first + size) cut by node: a list of runs of consecutive ranks."""
+    runs: list = []
+    for r in range(first, first + size):
+        if runs and nodes[runs[-1][-1]] == nodes[r]:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return runs
+
+
+def _two_hop_plan(shard_size: int, shard_group: dist.ProcessGroup) -> Optional[hierarchical.TwoHopPlan]:
+    """Create every shard group's hop groups (all ranks, one order) and register this rank's
+    plan; None where shard groups lie within one node (nothing crosses nodes twice)."""
+    nodes, world, rank = node_layout(), dist.get_world_size(), dist.get_rank()
+    shape = {len(b) for first in range(0, world, shard_size) for b in _node_blocks(first, shard_size, nodes)}
+    if len(shape) != 1:
+        raise ValueError(
+            f"zero_optimization.mics_hierarchical_params_gather: the shard groups of {shard_size} ranks do not "
+            f"cut into equal runs of ranks per node (nodes of the ranks: {nodes}); choose mics_shard_size as a "
+            "multiple of the ranks per node, or set the key to false"
+        )
+    per_node = shape.pop()
+    if per_node == shard_size:
+        return None
+    across = within = None
+    for first in range(0, world, shard_size):
+        blocks = _node_blocks(first, shard_size, nodes)
+        for block in blocks:
+            group = dist.new_group(block)
+            if rank in block:
+                within = group
+        for j in range(per_node):
+            ranks = [block[j] for block in blocks]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                across = group
+    plan = hierarchical.TwoHopPlan(shard_size // per_node, per_node, across, within)
+    hierarchical.register(shard_group, plan)
+    return plan
 
 
 def mics_layout_for(zero_config) -> Optional[MicsLayout]:
@@ -190,7 +238,7 @@ def mics_layout_for(zero_config) -> Optional[MicsLayout]:
     size = getattr(zero_config, "mics_shard_size", -1) if zero_config is not None else -1
     if size is None or size < 0:
         return None
-    return initialize_mics(size)
+    return initialize_mics(size, bool(zero_config.mics_hierarchical_params_gather))
 
 
 def initialize_sequence_parallel(sequence_parallel_size: int) -> SequenceParallelLayout:

@@ -40,9 +40,10 @@ SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_columns")
 VARIANTS = ({}, {"gas": 2}, {"clip": 0.05}, {"under_init": True, "gas": 2, "clip": 0.05})
 
 
-def mics_case(name: str, shard, **kwargs) -> Case:
-    extra = {"zero_optimization": {"mics_shard_size": shard}} if shard else {}
-    tag = f"mics{shard}" if shard else "zero3"
+def mics_case(name: str, shard, hierarchical: bool = False, **kwargs) -> Case:
+    zero = {"mics_shard_size": shard, "mics_hierarchical_params_gather": hierarchical}
+    extra = {"zero_optimization": zero} if shard else {}
+    tag = (f"mics{shard}" + ("h" if hierarchical else "")) if shard else "zero3"
     return Case(f"{name}_{tag}", zm.TokenMLP, zm.token_batch, zm.lm_loss, config_extra=extra, **kwargs)
 
 
@@ -89,6 +90,24 @@ def _parity_grid(shards: tuple) -> None:
                 torch.testing.assert_close(got_norms, torch.tensor(ref.grad_norms), rtol=1e-4, atol=0)
     if dist.get_rank() == 0:
         print(f"MiCS shards {shards} at {dist.get_world_size()} ranks, worst vs plain ZeRO-3: {worst}")
+
+
+def _two_hop_parity(shard: int, nodes: int, per_node: int) -> None:
+    """With mics_hierarchical_params_gather a shard group spanning nodes gathers in two hops:
+    training matches plain PyTorch, and MiCS's one-hop gathers bit for bit."""
+    for i, kwargs in enumerate(VARIANTS[2:]):
+        case = mics_case(f"h{i}", shard, hierarchical=True, **kwargs)
+        plan = groups.initialize_mics(shard, True).two_hop
+        hops = plan.hops
+        got, _ = check_parity(case)
+        assert (plan.nodes, plan.per_node) == (nodes, per_node)
+        assert plan.hops > hops  # the gathers went through the two hops
+        one_hop = run_engine(mics_case(f"h{i}", shard, **kwargs), case.micro_batches(dist.get_world_size()))
+        assert _diffs(got, one_hop) == (0.0, 0.0)
+    if dist.get_rank() == 0:
+        print(
+            f"two-hop gathers ({nodes} nodes x {per_node}): {plan.hops} gathers, equal to one-hop bit for bit"
+        )
 
 
 def _comm_config(shard: int) -> dict:
@@ -184,6 +203,12 @@ class TestMiCSTwoRanks(DistributedTest):
         _check_comm_sizes(1)
         _check_comm_sizes(2)
         _checkpoint_round_trip(str(tmp_path / "s1"), 1)
+        os.environ[groups.RANKS_PER_NODE_ENV] = "1"  # two "nodes" of one rank: shard 2 spans both
+        try:
+            groups._TOPOLOGY.reset()
+            _two_hop_parity(2, nodes=2, per_node=1)
+        finally:
+            del os.environ[groups.RANKS_PER_NODE_ENV]
         os.environ[groups.RANKS_PER_NODE_ENV] = "3"
         try:
             groups._TOPOLOGY.reset()
@@ -215,6 +240,8 @@ class TestMiCSFourRanks(DistributedTest):
             _parity_grid((2,))
             _check_comm_sizes(2)
             _checkpoint_round_trip(str(tmp_path / "s2"), 2)
+            _two_hop_parity(4, nodes=2, per_node=2)
+            assert groups.initialize_mics(2, True).two_hop is None  # shard groups within a node: one hop
         finally:
             del os.environ[groups.RANKS_PER_NODE_ENV]
 

@@ -218,9 +218,9 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     within a group, then averaged across the groups. Must divide the world size; -1 turns MiCS off."""
 
     mics_hierarchical_params_gather: bool = False
-    """MiCS: upstream gathers parameters in two hops (within a node, then across nodes) when a
-    shard group spans nodes. Accepted with `mics_shard_size`; here every gather is one
-    all-gather over the shard group, which gives the same values (docs/hierarchical.md)."""
+    """MiCS: a shard group that spans nodes gathers parameters in two hops, across nodes then
+    within each node (the same values as one all-gather; docs/hierarchical.md). Needs
+    `mics_shard_size`; shard groups within one node gather in one hop."""
 
     memory_efficient_linear: bool = True
     """Stage 3: use the memory-efficient linear layer that does not keep gathered weights."""

@@ -21,8 +21,9 @@ replica of the model; the ranks at one position of every group hold the same sha
   `s` ranks; it loads on any layout (plain ZeRO-3 of any size, MiCS of any shard size) by
   the elastic resharding of `checkpoint/sharded.py`.
 
-`mics_hierarchical_params_gather` is accepted and logged: a gather here is one all-gather
-over the shard group, which gives the same values as upstream's two-hop gather.
+With `mics_hierarchical_params_gather`, a shard group that spans nodes gathers in two hops,
+across nodes then within each node ([Note: the two-hop all-gather] in comm/hierarchical.py):
+the same values, with the cross-node bytes sent once per node rather than once per rank.
 """
 
 from __future__ import annotations
@@ -69,11 +70,12 @@ def mics_layout(config: Any) -> Optional[MicsLayout]:
         )
     layout = mics_layout_for(zero)
     if layout is not None and dist.get_rank() == 0:
-        how = (
-            "; mics_hierarchical_params_gather: each gather is one all-gather over the shard group (same values)"
-            if zero.mics_hierarchical_params_gather
-            else ""
-        )
+        how = ""
+        if layout.two_hop is not None:
+            plan = layout.two_hop
+            how = f"; each gather in two hops: across {plan.nodes} nodes, then within {plan.per_node} rank(s) per node"
+        elif zero.mics_hierarchical_params_gather:
+            how = "; mics_hierarchical_params_gather: each shard group lies within one node, one all-gather each"
         logger.info(f"MiCS: {layout.replicas} replica(s) of shard groups of {layout.shard_size} rank(s){how}")
     return layout
 
