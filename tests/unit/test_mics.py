@@ -20,6 +20,7 @@ import deepspeed.comm as dist
 from deepspeed.checkpoint import layout
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.utils import groups
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from tests.unit.common import DistributedTest
 from tests.zoo import models as zm
 from tests.zoo.harness import (
@@ -193,6 +194,70 @@ def _checkpoint_round_trip(tmp, shard: int) -> None:
         print(f"MiCS {shard} checkpoint round trip at {ws} ranks: loss rel {loss_rel:.3g}, param {param:.3g}")
 
 
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def _other_settings(tmp) -> None:
+    """AdamW (sharded optimizer state), persistent parameters, CPU optimizer offload and bf16
+    under MiCS match plain ZeRO-3; the fp32 and 16-bit exports of a MiCS run are the model."""
+    ws = dist.get_world_size()
+    persistent = {"zero_optimization": {"stage3_param_persistence_threshold": 10**6}}
+    offload = {
+        "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    export16 = {"zero_optimization": {"gather_16bit_weights_on_model_save": True}}
+    for name, kwargs, extra, tol in (
+        ("adamw_persistent", {"optimizer": adamw, "gas": 2}, persistent, (LOSS_RTOL, PARAM_ATOL)),
+        ("offload", {"clip": 0.05}, offload, (LOSS_RTOL, PARAM_ATOL)),
+        ("bf16", {"bf16": True}, export16, (5e-4, 5e-3)),  # the zoo's bf16 tolerances
+    ):
+        runs = []
+        for shard in (1, None):
+            case = mics_case(name, shard, **kwargs)
+            for key, value in extra.items():
+                base = case.config_extra.get(key, {})
+                case.config_extra[key] = {**base, **value} if isinstance(value, dict) else value
+            runs.append(run_engine(case, case.micro_batches(ws)))
+        loss_rel, param = _diffs(*runs)
+        assert loss_rel <= tol[0] and param <= tol[1], (name, loss_rel, param)
+        if dist.get_rank() == 0:
+            print(f"MiCS 1 vs plain ZeRO-3, {name}: loss rel {loss_rel:.3g}, param {param:.3g}")
+    mics = runs[0].engine  # bf16, shard 1
+    mics.save_checkpoint(tmp, tag="t")
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(tmp, tag="t")
+    masters = {
+        n: mics.optimizer.masters[p._zero_state.ds_id].detach().float().cpu()
+        for n, p in mics.module.named_parameters()
+    }
+    assert set(fp32) == set(masters) and all(torch.equal(fp32[n].reshape(-1), masters[n]) for n in fp32)
+    assert mics.save_16bit_model(tmp, "model16.bin")
+    if dist.get_rank() == 0:
+        saved = torch.load(os.path.join(tmp, "model16.bin"))
+        want = gathered(mics.module)
+        assert all(torch.equal(saved[n].float(), want[n]) for n in want)
+    dist.barrier()
+
+
+def _refuses_other_partitioning() -> None:
+    cfg = mics_case("refuse", 1).config()
+    plain = {**cfg, "zero_optimization": {**cfg["zero_optimization"], "mics_shard_size": -1}}
+    with deepspeed.zero.Init(config_dict_or_path=plain):
+        model = zm.TokenMLP()
+    with pytest.raises(
+        ValueError, match=r"mics_shard_size=1: parameter 'embed.weight' is partitioned over ranks \[0, 1\]"
+    ):
+        deepspeed.initialize(model=model, config=cfg)
+    with deepspeed.zero.MiCS_Init(config_dict_or_path=cfg):
+        model = zm.TokenMLP()
+    assert all(p._zero_state.world_size == 1 for p in model.parameters())
+    with pytest.raises(
+        ValueError, match="MiCS_Init: the config's zero_optimization.mics_shard_size is not set"
+    ):
+        deepspeed.zero.MiCS_Init(config_dict_or_path=plain)
+
+
 class TestMiCSTwoRanks(DistributedTest):
     world_size = 2
 
@@ -220,6 +285,10 @@ class TestMiCSTwoRanks(DistributedTest):
         assert groups.node_layout() == (0, 0)  # one host
         with pytest.raises(ValueError, match="mics_shard_size=3"):
             groups.initialize_mics(3)
+
+    def test_other_settings_exports_and_refusals(self, tmp_path):
+        _other_settings(str(tmp_path))
+        _refuses_other_partitioning()
 
 
 @pytest.mark.slow
