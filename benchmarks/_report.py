@@ -66,6 +66,9 @@ TARGETS = (
         ("gpt2_small", "live_bytes_ratio_to_ideal"),
         1.1,
     ),
+    # Ulysses: about 1/sp of sp=1's activation bytes per rank (1/sp + 10%), issue 42.
+    ("sequence parallel sp=2 activation bytes / sp=1", ("sequence_parallel", "activation_ratio_sp2"), 0.55),
+    ("sequence parallel sp=4 activation bytes / sp=1", ("sequence_parallel", "activation_ratio_sp4"), 0.275),
 )
 
 
@@ -335,6 +338,50 @@ def cpu_adam_table(cpu_adam: dict) -> str:
     return bench_cpu_adam.format_table(cpu_adam) + f"\n\n{note}"
 
 
+def sequence_parallel_table(sp: dict) -> str:
+    """Activation bytes per rank over sp=1's, all-to-all bytes against the formula, L_max."""
+    lines = [
+        "| sp | activation bytes / sp=1 | tiled / sp=1 untiled | 1/sp | all-to-all B per layer (fwd) | formula |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in (1, 2, 4):
+        plain = sp.get(f"activation_ratio_sp{n}")
+        if plain is None:
+            continue
+        a2a = (sp.get("a2a_bytes_per_layer") or {}).get(str(n), 0)
+        formula = (sp.get("a2a_formula_bytes_per_layer") or {}).get(str(n), 0)
+        lines.append(
+            f"| {n} | {plain:.3f} | {_fmt(sp.get(f'activation_ratio_sp{n}_tiled'))} | {1 / n:.3f} | {a2a:,} | {formula:,} |"
+        )
+    shape = sp["shape"]
+    lines += [
+        "",
+        f"Llama-shaped (hidden {shape['hidden']}, {shape['heads']} heads, {shape['kv_heads']} kv heads, "
+        f"{shape['layers']} layers, vocabulary {shape['vocab']}), one {sp['length']}-token sequence, fp32, sdpa; "
+        "bytes saved for backward, the largest rank; tiled: TiledMLP and TiledFusedLogitsLoss. All-to-all "
+        f"bytes equal the formula: {sp['a2a_matches_formula']}; backward sends as much: "
+        f"{sp['a2a_backward_equals_forward']}.",
+    ]
+    lmax, cap = sp.get("lmax"), sp.get("lmax_cap_bytes")
+    if not lmax:
+        lines += ["", f"Longest sequence under a memory cap: null ({sp.get('lmax_note')})."]
+        return "\n".join(lines)
+    lines += [
+        "",
+        f"Longest sequence trained, {cap / MB:.0f} MiB cap per rank:",
+        "",
+        "| mode | ranks | L_max | first length over the cap |",
+        "|---|---|---|---|",
+    ]
+    for name, row in lmax.items():
+        first = row["first_over_cap"] or (
+            "not reached (time budget)" if row.get("stopped_by_time_budget") else "none (length limit)"
+        )
+        lines.append(f"| {name.replace('_', ', ')} | {row['sp']} | {row['lmax']} | {first} |")
+    lines += ["", f"How it is measured: {sp['lmax_note']}."]
+    return "\n".join(lines)
+
+
 def markdown(report: dict) -> str:
     m, v = report["machine"], report["versions"]
     upstream = v["upstream"]["deepspeed"] if v.get("upstream") else "skipped"
@@ -384,6 +431,11 @@ def markdown(report: dict) -> str:
         ("gpt2_small", "GPT-2 small (fp32), 2 ranks side by side, alternating rounds", gpt2_table),
         ("gpt2_small", "GPT-2 small, ours (ZeRO-3) at world sizes 1, 2, 4", gpt2_scaling_table),
         ("gpt2_small", "GPT-2 small, collectives in one step (rank 0)", collectives_table),
+        (
+            "sequence_parallel",
+            "Ulysses sequence parallelism: activation bytes, all-to-all bytes, L_max",
+            sequence_parallel_table,
+        ),
     )
     for key, title, fn in sections:
         if key == "scaling" and "offload" in title and not (report.get("scaling") or {}).get("offload"):

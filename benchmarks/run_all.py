@@ -1,4 +1,5 @@
-"""Every benchmark in one go: train step, gather, init memory, scaling, CPU Adam, rank agreement, GPT-2 small.
+"""Every benchmark in one go: train step, gather, init memory, scaling, CPU Adam, rank agreement, GPT-2 small,
+sequence parallelism.
 
     python benchmarks/run_all.py                       # ~20 min on 2 shared cores (make bench)
     python benchmarks/run_all.py --quick --skip-upstream --out-dir /tmp/r   # a ~2.5 min smoke run
@@ -22,6 +23,9 @@ Sections (each reuses the functions of the script named, nothing is re-implement
   gpt2_small  bench_gpt2_small.py: a GPT-2-small-sized decoder (124M parameters, fp32): ours /
               upstream / FSDP2 / DDP at 2 ranks in alternating rounds (step time, live bytes,
               peak RSS, collectives), ours at world sizes 1, 2, 4 against 16 B/param / N
+  sequence_parallel  bench_sequence_parallel.py: Ulysses' activation bytes per rank at sp = 1, 2,
+              4, with and without tiling, over sp = 1's; all-to-all bytes per layer against the
+              formula; the longest sequence trained within an RSS cap per rank (sp = 1, 2)
 
 Writes `<out-dir>/latest.json`, `latest.md` (the headline tables, also printed) and
 `latest.png` (when matplotlib is installed). `--skip-upstream` reports upstream as null.
@@ -49,6 +53,7 @@ import bench_cpu_adam  # noqa: E402
 import bench_gather  # noqa: E402
 import bench_gpt2_small  # noqa: E402
 import bench_init_memory  # noqa: E402
+import bench_sequence_parallel  # noqa: E402
 import bench_train_step  # noqa: E402
 
 from deepspeed.utils.progress import progress_bar  # noqa: E402
@@ -401,6 +406,38 @@ def run_gpt2_small(opts, log_dir: Path) -> dict:
     return bench_gpt2_small.run(gopts, log_dir)
 
 
+# ----------------------------------------------------------------------------- sequence parallel
+
+
+def run_sequence_parallel(opts) -> dict:
+    """bench_sequence_parallel.py: activation ratios, all-to-all bytes, and L_max under a cap.
+
+    --quick: the small shape at sp = 1 and 2 in one 2-rank run, and no L_max search (null,
+    with the reason)."""
+    began = _section("sequence_parallel: Ulysses activation bytes, all-to-all bytes, longest sequence")
+    bsp = bench_sequence_parallel
+    shape, length = (bsp.QUICK_SHAPE, 512) if opts.quick else (bsp.SHAPE, 4096)
+    rows = bsp.activation_rows(shape, length, sps=(1, 2) if opts.quick else (1, 2, 4))
+    print(bsp.format_table(rows, shape, length))
+    out = {"shape": shape, "length": length, **bsp.summary(rows, shape["layers"])}
+    for key, value in out.pop("activation_ratio").items():
+        out[f"activation_ratio_{key}"] = value
+    out["activation_ratio_sp4"] = out.get("activation_ratio_sp4")  # null in --quick
+    out["activation_ratio_sp4_tiled"] = out.get("activation_ratio_sp4_tiled")
+    if opts.quick:
+        out["lmax"], out["lmax_cap_bytes"] = None, None
+        out["lmax_note"] = "--quick: not searched (the full run does, in about 90 s)"
+    else:
+        cap = bsp.LMAX_CAP_BYTES
+        out["lmax"] = bsp.longest_sequences(bsp.SHAPE, cap, bsp.LMAX_PLAN)
+        out["lmax_cap_bytes"] = cap
+        out["lmax_note"] = bsp.LMAX_NOTE
+        print(bsp.format_lmax(out["lmax"], cap))
+    out["rows"] = rows
+    out["wall_s"] = round(time.monotonic() - began, 1)
+    return out
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -435,7 +472,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--upstream-python", type=Path, default=bench_train_step.UPSTREAM_PYTHON)
     parser.add_argument(
         "--only",
-        default="train_step,gather,init,scaling,cpu_adam,agreement,gpt2_small",
+        default="train_step,gather,init,scaling,cpu_adam,agreement,gpt2_small,sequence_parallel",
         help="comma list of sections to run (others null, or kept with --update)",
     )
     parser.add_argument(
@@ -460,6 +497,7 @@ def main(argv=None) -> int:
         "cpu_adam": lambda tmp: run_cpu_adam(opts),
         "agreement": lambda tmp: run_agreement(opts),
         "gpt2_small": lambda tmp: run_gpt2_small(opts, tmp),
+        "sequence_parallel": lambda tmp: run_sequence_parallel(opts),
     }
     only = {name for name in opts.only.split(",") if name}
     unknown = sorted(only - set(runners))

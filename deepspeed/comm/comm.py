@@ -494,11 +494,16 @@ def all_to_all_single(
     input_split_sizes: Optional[list] = None,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_to_all_single",
 ) -> CommHandle:
     """Rank r sends the i-th slice of `input` (along dim 0) to rank i and receives rank i's
     r-th slice into the i-th slice of `output`; equal slices unless split sizes are given.
     gloo, nccl and the CPU backends all have it natively in torch 2.13 (Ulysses' sequence
-    parallelism and gloo's reduce-scatter use it)."""
+    parallelism and gloo's reduce-scatter use it). The communication logger records it."""
+    if comms_logger.timing and comms_logger.idle:
+        args = (output, input, output_split_sizes, input_split_sizes, group, async_op)
+        return _timed(all_to_all_single, args, log_name, prof, group, _nbytes(input), async_op)
     work = _dist.all_to_all_single(
         output,
         input,

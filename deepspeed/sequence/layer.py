@@ -131,3 +131,16 @@ def all_gather_differentiable(x: torch.Tensor, group: Any) -> torch.Tensor:
     but, on gloo in torch 2.13, its backward fails in a group that does not hold rank 0 (it
     passes group ranks as global ones), as with sp=2, dp=2."""
     return _AllGatherStack.apply(x, group)
+
+
+def token_weighted_loss(loss: torch.Tensor, shift_labels: torch.Tensor, group: Any) -> torch.Tensor:
+    """The loss of the whole sequences from each sp rank's token mean `loss` over its shard:
+    `sum_r n_r * loss_r / sum_r n_r`, with `n_r` rank r's labels other than -100
+    (docs/sequence_parallel.md). A shard without such labels has a NaN mean (0 / 0): it counts
+    for nothing, and its gradient is zero, not NaN. Every rank of `group` returns the same value;
+    if no rank has a label, the result is 0."""
+    count = (shift_labels != -100).sum().to(loss.dtype)
+    losses = all_gather_differentiable(loss, group)
+    counts = all_gather_differentiable(count.detach(), group)
+    safe = torch.where(counts > 0, losses, torch.zeros_like(losses))
+    return (safe * counts).sum() / counts.sum().clamp(min=1)

@@ -119,6 +119,13 @@ REQUIRED_KEYS = (
     "gpt2_small.params",
     "gpt2_small.scaling",
     "gpt2_small.collectives",
+    "sequence_parallel.activation_ratio_sp2",
+    "sequence_parallel.activation_ratio_sp2_tiled",
+    "sequence_parallel.activation_ratio_sp4",
+    "sequence_parallel.a2a_bytes_per_layer",
+    "sequence_parallel.a2a_formula_bytes_per_layer",
+    "sequence_parallel.lmax",
+    "sequence_parallel.lmax_note",
     "machine.cpu_model",
     "machine.cores",
     "machine.loadavg_before",
@@ -177,4 +184,17 @@ def test_run_all_quick(tmp_path):
     md = (tmp_path / "latest.md").read_text()
     assert "ZeRO stages 1 and 2 beside DDP" in md and "Optimizer offload" in md
     assert "GPT-2 small" in md and "ran (kind: calls, MB)" in md
+    # Ulysses (--quick: sp = 1 and 2 only, no L_max search, each null with its reason).
+    assert 0 < values["sequence_parallel.activation_ratio_sp2"] < 1
+    assert (
+        values["sequence_parallel.activation_ratio_sp2_tiled"]
+        < values["sequence_parallel.activation_ratio_sp2"]
+    )
+    assert (
+        values["sequence_parallel.activation_ratio_sp4"] is None and values["sequence_parallel.lmax"] is None
+    )
+    assert "--quick" in values["sequence_parallel.lmax_note"]
+    a2a = values["sequence_parallel.a2a_bytes_per_layer"]
+    assert a2a == values["sequence_parallel.a2a_formula_bytes_per_layer"] and a2a["2"] > 0
+    assert "Ulysses sequence parallelism" in md and "sequence parallel sp=2 activation bytes / sp=1" in md
     assert (tmp_path / "latest.md").read_text().startswith("Benchmarks ")

@@ -27,7 +27,7 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import (
     prepare_sp_batch,
     shard_sp_batch,
 )
-from deepspeed.sequence.layer import DistributedAttention, all_gather_differentiable
+from deepspeed.sequence.layer import DistributedAttention, token_weighted_loss
 from deepspeed.utils import groups
 from tests.unit.common import DistributedTest
 
@@ -97,33 +97,34 @@ def sp_loss(
 ) -> torch.Tensor:
     """The convention: every sp rank's loss is the token-weighted mean over the whole sequences
     (transformers' deepspeed_sp_compute_loss does the same with torch's all_gather)."""
-    loss = hf_loss(model, logits, shift_labels)
-    good = (shift_labels != -100).sum()
-    losses = all_gather_differentiable(loss, sp_group)
-    counts = all_gather_differentiable(good, sp_group)
-    return (losses * counts).sum() / counts.sum()
+    return token_weighted_loss(hf_loss(model, logits, shift_labels), shift_labels, sp_group)
 
 
-def reference_run(model: torch.nn.Module, data: list, sp: int) -> tuple:
-    """Per optimizer step t: data-parallel group g trains rank (g*sp + t % sp)'s batch t // sp.
-    Returns (losses[t][g], final parameters)."""
+def reference_run(model: torch.nn.Module, data: list, sp: int, gas: int = 1) -> tuple:
+    """Per micro-step t: data-parallel group g trains rank (g*sp + t % sp)'s batch t // sp; the
+    optimizer steps every `gas` micro-steps on their mean. Returns (losses[t][g], final parameters)."""
     world = len(data)
     dp = world // sp
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
     for t in range(STEPS_PER_RANK_BATCH * sp):
-        opt.zero_grad()
+        if t % gas == 0:
+            opt.zero_grad()
         step_losses, total = [], 0.0
         for g in range(dp):
             batch = data[g * sp + t % sp][t // sp]
-            logits = model(input_ids=batch["input_ids"]).logits
-            loss = hf_loss(model, logits, torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100))
+            loss = hf_loss(model, model(input_ids=batch["input_ids"]).logits, whole_shift_labels(batch))
             step_losses.append(loss.item())
-            total = total + loss / dp
+            total = total + loss / (dp * gas)
         total.backward()
-        opt.step()
+        if (t + 1) % gas == 0:
+            opt.step()
         losses.append(step_losses)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def whole_shift_labels(batch: dict) -> torch.Tensor:
+    return torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
 
 
 def tile_mlps(model: torch.nn.Module, shards: int = 3) -> list:
@@ -142,12 +143,18 @@ def tile_mlps(model: torch.nn.Module, shards: int = 3) -> list:
     return calls
 
 
-def sp_run(impl: str, kv_heads: int, length: int, sp: int, tiled: bool = False) -> tuple:
+def sp_run(
+    impl: str, kv_heads: int, length: int, sp: int, tiled: bool = False, gas: int = 1, labels_from=None
+) -> tuple:
     """Train under Ulysses + ZeRO-3 (with `tiled`, the MLPs through TiledMLP); compare with the
-    reference; with `tiled` also the logits and loss through TiledFusedLogitsLoss. Returns
-    (loss rel diff, param diff)."""
+    reference; with `tiled` also the logits and loss through TiledFusedLogitsLoss; `gas`
+    micro-steps per optimizer step; `labels_from`: every label from that position on is -100.
+    Returns (loss rel diff, param diff, the steps whose shard had no label on this rank)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     data = rank_batches(world, length)
+    for batches in data if labels_from is not None else []:
+        for batch in batches:
+            batch["labels"][:, labels_from:] = -100
     reference = tiny_llama(impl, kv_heads)
     model = copy.deepcopy(reference)
     tiled_calls = tile_mlps(model) if tiled else None
@@ -164,13 +171,13 @@ def sp_run(impl: str, kv_heads: int, length: int, sp: int, tiled: bool = False) 
     assert reference.config._attn_implementation == impl  # the reference is not rerouted
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": gas,
         "gradient_clipping": 0.0,
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 500},
     }
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=mpu)
-    assert engine.sequence_parallel_size == sp and engine.train_batch_size() == MICRO * world // sp
+    assert engine.sequence_parallel_size == sp and engine.train_batch_size() == MICRO * gas * world // sp
     assert engine.dp_world_size == world  # ZeRO partitions over every rank
     sp_group = groups._get_sequence_parallel_group()
     loader = UlyssesSPDataLoaderAdapter(
@@ -181,10 +188,13 @@ def sp_run(impl: str, kv_heads: int, length: int, sp: int, tiled: bool = False) 
         device=engine.device,
     )
     assert len(loader) == STEPS_PER_RANK_BATCH * sp
-    losses = []
+    losses, unlabelled = [], 0
     for batch in loader:
         assert batch["input_ids"].shape[1] == -(-length // sp) * sp // sp and "labels" not in batch
         logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        if not (batch["shift_labels"] != -100).any():  # HF's mean over no token: 0 / 0
+            unlabelled += 1
+            assert tiled or hf_loss(engine.module, logits, batch["shift_labels"]).isnan()
         if tiled:
             logits = tiled_logits_loss(engine.module, logits, batch["shift_labels"])
         loss = sp_loss(engine.module, logits, batch["shift_labels"], sp_group)
@@ -193,7 +203,7 @@ def sp_run(impl: str, kv_heads: int, length: int, sp: int, tiled: bool = False) 
         losses.append(loss.item())
     if tiled:  # 8 local tokens in slices of 3, 3, 2: forward, then again in backward, per layer and step
         assert tiled_calls[:6] == [3, 3, 2] * 2 and len(tiled_calls) == 6 * 2 * len(losses), tiled_calls
-    ref_losses, ref_params = reference_run(reference, data, sp)
+    ref_losses, ref_params = reference_run(reference, data, sp, gas)
     group_index = rank // sp
     mine = torch.tensor([step[group_index] for step in ref_losses])
     loss_rel = ((torch.tensor(losses) - mine).abs() / mine.abs()).max().item()
@@ -206,7 +216,7 @@ def sp_run(impl: str, kv_heads: int, length: int, sp: int, tiled: bool = False) 
     moved = max(
         (ref_params[n] - p).abs().max().item() for n, p in tiny_llama(impl, kv_heads).named_parameters()
     )
-    case = f"{impl} kv={kv_heads} L={length} sp={sp} world={world}" + (
+    case = f"{impl} kv={kv_heads} L={length} sp={sp} world={world} gas={gas}" + (
         " TiledMLP+TiledFusedLogitsLoss" if tiled else ""
     )
     assert moved > 1e-3, f"{case}: the reference did not train"
@@ -214,7 +224,84 @@ def sp_run(impl: str, kv_heads: int, length: int, sp: int, tiled: bool = False) 
     assert param_diff <= PARAM_ATOL, f"{case}: final parameters differ by {param_diff:.3g}"
     if rank == 0:
         print(f"[sp parity] {case}: max loss rel diff {loss_rel:.3g}, max param diff {param_diff:.3g}")
-    return loss_rel, param_diff
+    return loss_rel, param_diff, unlabelled
+
+
+def zero3_engine(model: torch.nn.Module, mpu) -> object:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 500},
+    }
+    return deepspeed.initialize(model=model, config=config, mpu=mpu)[0]
+
+
+def sp2_engine(reference: torch.nn.Module, length: int) -> object:
+    model = copy.deepcopy(reference)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model, sequence_parallel_size=2, micro_batch_size=MICRO, seq_length=length
+    )
+    return zero3_engine(model, mpu)
+
+
+def train_sp2(engine, batches: list) -> list:
+    losses = []
+    for batch in batches:
+        logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss = sp_loss(engine.module, logits, batch["shift_labels"], groups._get_sequence_parallel_group())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full_params(engine) -> dict:
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def check_checkpoint_sp2(path: str) -> None:
+    """sp=2 under ZeRO-3 saves after 2 of its 4 steps. A new sp=2 engine, and a new engine
+    without sequence parallelism (ZeRO-3 over the same 2 ranks, each fed the group's whole
+    batch), load it: both start from the saved weights and train the last 2 steps to the
+    saver's losses and parameters."""
+    length, world, rank = 15, dist.get_world_size(), dist.get_rank()
+    data = rank_batches(world, length)
+    reference = tiny_llama("sdpa", 2)
+    saver = sp2_engine(reference, length)
+    group = groups._get_sequence_parallel_group()
+    batches = list(UlyssesSPDataLoaderAdapter(data[rank], rank, group, 2, saver.device))
+    train_sp2(saver, batches[:2])
+    saved = full_params(saver)
+    saver.save_checkpoint(path, tag="half")
+    expected = train_sp2(saver, batches[2:])
+    expected_params = full_params(saver)
+
+    same = sp2_engine(reference, length)
+    same.load_checkpoint(path, tag="half")
+    for name, value in full_params(same).items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=f"sp=2 load: {name}")
+    torch.testing.assert_close(train_sp2(same, batches[2:]), expected, rtol=LOSS_RTOL, atol=0)
+    for name, value in full_params(same).items():
+        torch.testing.assert_close(value, expected_params[name], rtol=0, atol=PARAM_ATOL)
+
+    plain = zero3_engine(copy.deepcopy(reference), None)
+    assert plain.sequence_parallel_size == 1
+    plain.load_checkpoint(path, tag="half")
+    losses = []
+    for t in (2, 3):  # the adapter's step t is rank t % 2's batch t // 2, whole
+        batch = data[t % 2][t // 2]
+        loss = hf_loss(plain.module, plain(input_ids=batch["input_ids"]).logits, whole_shift_labels(batch))
+        plain.backward(loss)
+        plain.step()
+        losses.append(loss.item())
+    torch.testing.assert_close(losses, expected, rtol=LOSS_RTOL, atol=0)
+    diff = max((v - expected_params[n]).abs().max().item() for n, v in full_params(plain).items())
+    assert diff <= PARAM_ATOL, f"sp=2 checkpoint loaded without SP: parameters differ by {diff:.3g}"
+    moved = max((expected_params[n] - v).abs().max().item() for n, v in saved.items())
+    assert moved > 1e-3, "the steps after the checkpoint did not train"
+    if rank == 0:
+        print(f"[sp checkpoint] sp=2 -> sp=2 and -> no SP: losses {expected}, no-SP param diff {diff:.3g}")
 
 
 class TestUlysses(DistributedTest):
@@ -256,7 +343,9 @@ class TestUlysses(DistributedTest):
             sp_run(impl, kv_heads, length, sp=2)
         sp_run("sdpa", 2, 15, sp=2, tiled=True)
 
-    def test_config_key_creates_groups(self):
+    def test_config_key_accumulation_checkpoint_unlabelled_shard(self, tmp_path):
+        """The config key creates the groups; then, at parity with no sequence parallelism:
+        gradient accumulation, a checkpoint loaded with and without sp, and shards with no label."""
         model = torch.nn.Linear(4, 4)
         config = {
             "train_micro_batch_size_per_gpu": 1,
@@ -269,6 +358,14 @@ class TestUlysses(DistributedTest):
         assert groups._get_sequence_parallel_world_size() == 2
         assert groups._get_sequence_parallel_rank() == dist.get_rank()
         assert dist.get_world_size(groups._get_sequence_data_parallel_group()) == 2
+
+        sp_run("sdpa", 2, 15, sp=2, gas=2)
+        # Rank 1's shard (shifted labels 8..15, labels 9..15 and the padding) has no label.
+        _, _, unlabelled = sp_run("sdpa", 2, 16, sp=2, labels_from=9)
+        assert unlabelled == (4 if dist.get_rank() == 1 else 0), unlabelled
+        _, _, unlabelled = sp_run("sdpa", 2, 16, sp=2, tiled=True, labels_from=9)
+        assert unlabelled == (4 if dist.get_rank() == 1 else 0), unlabelled
+        check_checkpoint_sp2(str(tmp_path / "ckpt"))
 
 
 class TestUlyssesRouting(DistributedTest):

@@ -178,7 +178,15 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     `fn(module, x_slice, y_slice)` returns a slice's loss (e.g. the logits and their
     cross-entropy, so the [b, s, vocab] logits exist one slice at a time). "mean" weights each
     slice by its tokens (its true entries in `mask` [b, s], if given: a loss meaning over those),
-    "sum" adds the slices' losses ([Note: tiling and its backward])."""
+    "sum" adds the slices' losses ([Note: tiling and its backward]).
+
+    [Note: uncounted slices]
+    A slice without a counted token adds nothing, but `fn` still runs on it, forward and
+    backward (with a zero gradient): under ZeRO-3 each call of the head gathers its parameters
+    and each backward reduces their gradients, collectives that every rank must join the same
+    number of times, also the sequence-parallel rank whose whole shard has no label. `fn`'s
+    backward must then give zero gradients for a zero incoming one (torch's cross_entropy
+    does, even as a mean over no token)."""
 
     @staticmethod
     def forward(
@@ -207,12 +215,12 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
             total = sum(counts) or 1.0
             ctx.weights = [c / total for c in counts]
         ctx.save_for_backward(x, y)
-        with torch.no_grad():
-            losses = [
-                fn(module, x[:, w].contiguous(), y[:, w].contiguous()) * wt
-                for w, wt in zip(ctx.windows, ctx.weights)
-                if wt
-            ]
+        losses = []
+        with torch.no_grad():  # every slice runs, counted or not: [Note: uncounted slices]
+            for w, wt in zip(ctx.windows, ctx.weights):
+                loss = fn(module, x[:, w].contiguous(), y[:, w].contiguous())
+                if wt:
+                    losses.append(loss * wt)
         return torch.stack(losses).sum() if losses else x.new_zeros(())
 
     @staticmethod
@@ -220,12 +228,11 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         x, y = ctx.saved_tensors
         x_grad = torch.zeros_like(x) if x.requires_grad else None
         for window, weight in zip(ctx.windows, ctx.weights):
-            if not weight:
-                continue  # a slice without counted tokens adds nothing (and may be NaN)
             piece = x[:, window].detach().contiguous().requires_grad_(x.requires_grad)
             with torch.enable_grad():
                 loss = ctx.fn(ctx.module, piece, y[:, window].contiguous())
-            torch.autograd.backward(loss, grad * weight)
+            # An uncounted slice's loss may be NaN (a mean over no token): it gets a zero gradient.
+            torch.autograd.backward(loss, grad * weight if weight else torch.zeros_like(loss))
             if x_grad is not None:
                 x_grad[:, window] = piece.grad
         return None, None, x_grad, None, None, None, None, None
