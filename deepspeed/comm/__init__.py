@@ -38,11 +38,13 @@ from deepspeed.comm.comm import (
 )
 from deepspeed.comm.comms_api import (
     comms_totals,
+    count_node_traffic,
     count_totals,
     get_comm_operation_count,
     get_logged_comm_ops,
     has_comm_data,
     log_summary,
+    node_traffic_totals,
     reset_log,
 )
 
@@ -64,6 +66,7 @@ __all__ = [
     "completes_on_issue",
     "comms_logger",
     "comms_totals",
+    "count_node_traffic",
     "count_totals",
     "configure",
     "default_timeout",
@@ -82,6 +85,7 @@ __all__ = [
     "is_available",
     "is_initialized",
     "log_summary",
+    "node_traffic_totals",
     "monitored_barrier",
     "new_group",
     "reduce",

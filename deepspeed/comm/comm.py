@@ -22,7 +22,7 @@ import torch
 import torch.distributed as _dist
 
 from deepspeed import process_state
-from deepspeed.comm import env_discovery, hierarchical, shm
+from deepspeed.comm import env_discovery, hierarchical, node_traffic, shm
 from deepspeed.comm.handle import AllWorks as _AllWorks
 from deepspeed.comm.handle import CommHandle
 from deepspeed.comm.handle import handle_of as _handle
@@ -51,6 +51,9 @@ process_state.register("deepspeed.comm.comm.comms_logger", comms_logger, comms_l
 
 def _timed(fn: Any, args: tuple, log_name: str, prof: bool, group: Any, nbytes: int, async_op: bool) -> Any:
     """`fn(*args)` through the logger (a collective calls it first while the logger is enabled)."""
+    if node_traffic.COUNTER.on:  # [Note: counting cross-node bytes]
+        ranks = get_all_ranks_from_group(group)
+        node_traffic.COUNTER.count(fn.__name__, args, ranks, get_rank(), nbytes, hierarchical.plan_for(group))
     return comms_logger.timed(fn, args, fn.__name__, log_name, prof, nbytes, get_world_size(group), async_op)
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from deepspeed.comm import comm
+from deepspeed.comm import comm, node_traffic
 from deepspeed.utils import comms_logging
 
 SUMMARY_BARRIER = "log_summary_barrier"  # upstream's log name for the barriers around a summary
@@ -114,3 +114,24 @@ def comms_totals(since: Optional[dict] = None) -> dict:
         op: {"count": c, "bytes": b, "latency_ms": ms} for op, (c, b, ms) in comm.comms_logger.totals.items()
     }
     return comms_logging.totals_since(now, since)
+
+
+def count_node_traffic(nodes: Optional[tuple]) -> None:
+    """Count, from now on and in a fresh tally, the bytes each collective brings to this rank
+    from other nodes and from its own ([Note: counting cross-node bytes] in
+    comm/node_traffic.py). `nodes`: the node index of every global rank, e.g.
+    `deepspeed.utils.groups.node_layout()`; None stops counting. Read with `node_traffic_totals`."""
+    if nodes is not None and len(nodes) != comm.get_world_size():
+        raise ValueError(
+            f"count_node_traffic: {len(nodes)} node indices for a world of {comm.get_world_size()} ranks; "
+            "pass one per global rank (deepspeed.utils.groups.node_layout())"
+        )
+    node_traffic.COUNTER.nodes = None if nodes is None else tuple(nodes)
+    node_traffic.COUNTER.tally = {}
+    comm.comms_logger.count_nodes(nodes is not None)
+
+
+def node_traffic_totals() -> dict:
+    """Per collective, `{"count", "cross_bytes", "within_bytes"}` this rank received since
+    `count_node_traffic` started."""
+    return node_traffic.totals()

@@ -112,7 +112,8 @@ class CommsLogger:
     def __init__(self) -> None:
         self.enabled = False
         self.totals_only = False  # count_totals(True) while not enabled
-        self.timing = False  # enabled or totals_only: the collectives' one check
+        self.timing = False  # enabled, totals_only or counting_nodes: the collectives' one check
+        self.counting_nodes = False  # deepspeed.comm.node_traffic counts (no timing, no records)
         self.verbose = False
         self.prof_all = True
         self.prof_ops: list = []
@@ -143,12 +144,22 @@ class CommsLogger:
                 value = getattr(section, name)
             if value is not None:
                 setattr(self, name, list(value) if name == "prof_ops" else bool(value))
-        self.timing = self.enabled or self.totals_only
+        self._retime()
+
+    def _retime(self) -> None:
+        self.timing = self.enabled or self.totals_only or self.counting_nodes
 
     def count_totals(self, on: bool) -> None:
         """Time every collective for `totals` even while the logger is off (see the class doc)."""
         self.totals_only = bool(on)
-        self.timing = self.enabled or self.totals_only
+        self._retime()
+
+    def count_nodes(self, on: bool) -> None:
+        """Route every collective through the logger's entry for the node-traffic counter
+        ([Note: counting cross-node bytes] in deepspeed/comm/node_traffic.py); alone, this
+        times and records nothing."""
+        self.counting_nodes = bool(on)
+        self._retime()
 
     # Upstream's switches: all ops, or ops by name, from here on.
     def start_profiling_comms(self) -> None:

@@ -27,6 +27,9 @@ optimizer state are partitioned within a shard group, and each shard group holds
 replica of the model. The ranks at the same position of every shard group
 (p, p + s, p + 2 s, ...) hold the same shard: they form a replica group, over which
 gradients are averaged after the reduce-scatter inside the shard group.
+
+hpZ (`zero_optimization.zero_hpz_partition_size = h`) cuts the world into secondary groups of
+`h` consecutive ranks, each of which must lie within one node (`initialize_hpz`).
 """
 
 from __future__ import annotations
@@ -90,6 +93,16 @@ class MicsLayout:
         return self.replica_ranks.index(dist.get_rank())
 
 
+@dataclass(frozen=True)
+class HpzLayout:
+    """This rank's hpZ secondary group ([Note: hpZ, the secondary shard] in runtime/zero/hpz.py)."""
+
+    size: int  # ranks sharing one secondary partition (within one node)
+    ranks: tuple  # this rank's secondary group, global ranks in order
+    group: dist.ProcessGroup
+    rank: int  # this rank's position in it
+
+
 class _TopologyState:
     """The per-process node layout and MiCS groups (created once per size: every rank
     creates torch process groups together)."""
@@ -97,10 +110,12 @@ class _TopologyState:
     def __init__(self) -> None:
         self.nodes: Optional[tuple] = None  # node index of every global rank
         self.mics: dict = {}  # (shard size, hierarchical) -> MicsLayout
+        self.hpz: dict = {}  # size -> HpzLayout
 
     def reset(self) -> None:
         self.nodes = None
         self.mics = {}
+        self.hpz = {}
 
 
 _TOPOLOGY = process_state.register(
@@ -188,6 +203,37 @@ def initialize_mics(shard_size: int, hierarchical_gather: bool = False) -> MicsL
     layout = MicsLayout(shard_size, shard[0], shard[1], replica[0], replica[1], two_hop)
     _TOPOLOGY.mics[(shard_size, hierarchical_gather)] = layout
     return layout
+
+
+def initialize_hpz(size: int) -> HpzLayout:
+    """The hpZ secondary groups of `size` consecutive ranks (created on the first call for that
+    size; every rank must call it). Each group must lie within one node."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
+        raise ValueError(
+            f"zero_optimization.zero_hpz_partition_size={size!r} must be a positive divisor of the world size "
+            f"{world} (secondary groups are made of consecutive ranks), or 1 to turn hpZ off"
+        )
+    known = _TOPOLOGY.hpz.get(size)
+    if known is not None:
+        return known
+    nodes = node_layout()
+    spanning = [f for f in range(0, world, size) if len({nodes[r] for r in range(f, f + size)}) > 1]
+    if spanning:
+        first = spanning[0]
+        raise ValueError(
+            f"zero_optimization.zero_hpz_partition_size={size}: the group of ranks {list(range(first, first + size))} "
+            f"spans nodes {sorted({nodes[r] for r in range(first, first + size)})} (nodes of the ranks: {nodes}); "
+            "choose a divisor of the ranks per node (the node's rank count, usually)"
+        )
+    mine = None
+    for first in range(0, world, size):
+        ranks = tuple(range(first, first + size))
+        group = dist.new_group(list(ranks))  # every rank creates every group, in one order
+        if rank in ranks:
+            mine = HpzLayout(size, ranks, group, ranks.index(rank))
+    _TOPOLOGY.hpz[size] = mine
+    return mine
 
 
 def _node_blocks(first: int, size: int, nodes: tuple) -> list:

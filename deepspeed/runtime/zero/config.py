@@ -82,7 +82,6 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             "one all-gather per parameter", "parameters are gathered in coalesced buckets; set it to false"
         ),
         "legacy_stage1": _refuse("upstream's old stage-1 implementation", "set it to false"),
-        "zero_hpz_partition_size": _refuse("ZeRO++ hierarchical partitioning (hpZ)", "set it to 1"),
         "zero_quantized_weights": _refuse("ZeRO++ quantized weight all-gather (qwZ)", "set it to false"),
         "zero_quantized_nontrainable_weights": _refuse(
             "quantized storage of frozen weights", "set it to false"
@@ -197,8 +196,11 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     round_robin_gradients: bool = False
     """Stages 1-2 with CPU offload: spread gradient copies over ranks; no effect without offload."""
 
-    zero_hpz_partition_size: int = Field(1, ge=0)
-    """ZeRO++ hpZ: ranks in the secondary (intra-node) parameter partition group; 1 turns it off."""
+    zero_hpz_partition_size: int = 1
+    """ZeRO++ hpZ (stage 3): after a parameter's gather, each rank keeps a secondary slice of it
+    cut over groups of this many consecutive ranks within one node, and later gathers before the
+    next step (backward's) go over that group only (docs/hierarchical.md). Must divide the world
+    size and fit within a node; 1 turns it off."""
 
     zero_quantized_weights: bool = False
     """ZeRO++ qwZ: quantize weights for the all-gather."""
@@ -316,6 +318,13 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             raise ValueError(
                 f"zero_optimization.mics_shard_size={self.mics_shard_size} (MiCS) needs stage 3, got stage "
                 f"{int(self.stage)}; set stage to 3 or mics_shard_size to -1"
+            )
+        if self.zero_hpz_partition_size < 1 or (
+            self.zero_hpz_partition_size > 1 and self.stage != ZeroStageEnum.weights
+        ):
+            raise ValueError(
+                f"zero_optimization.zero_hpz_partition_size={self.zero_hpz_partition_size} (hpZ) needs stage 3 and "
+                f"a positive size, got stage {int(self.stage)}; set stage to 3, or the key to 1 (off)"
             )
         if self.mics_hierarchical_params_gather and self.mics_shard_size < 1:
             raise ValueError(

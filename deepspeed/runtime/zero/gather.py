@@ -42,6 +42,7 @@ from deepspeed import process_state
 from deepspeed.runtime.zero.lifecycle import (
     ZeroParamState,
     ZeroParamStatus,
+    all_keep_secondary,
     all_to_available,
     all_to_inflight,
     all_to_released,
@@ -378,17 +379,63 @@ class _GatherBucket:
             buffers = self._full_buffers(self.flat_out.dtype, self.flat_out.device)
             _copy_out(self.flat_out, buffers, self.states[0].world_size)
             SCRATCH.give_back(self.flat_out)
-        if len(buffers) == 1:
-            fb = buffers[0]
-            fb.live = len(fb.fulls)
-            all_to_available(self.states, fb.fulls, [fb] * fb.live, self._expected)
-        else:
-            fulls, owners = [], []
-            for fb in buffers:
-                fb.live = len(fb.fulls)
-                fulls.extend(fb.fulls)
-                owners.extend([fb] * fb.live)
-            all_to_available(self.states, fulls, owners, self._expected)
+        _install(self.states, buffers, self._expected)
+        if self.states[0].hpz is not None:  # [Note: hpZ, the secondary shard] in hpz.py
+            all_keep_secondary(self.states)
+        self.flat_out = None
+        self.done = True
+
+
+def _install(states: list, buffers: list, expected: ZeroParamStatus) -> None:
+    """Make the full tensors of `buffers` (`_FullBuffer`s, filled) the data of `states`."""
+    if len(buffers) == 1:
+        fb = buffers[0]
+        fb.live = len(fb.fulls)
+        all_to_available(states, fb.fulls, [fb] * fb.live, expected)
+        return
+    fulls, owners = [], []
+    for fb in buffers:
+        fb.live = len(fb.fulls)
+        fulls.extend(fb.fulls)
+        owners.extend([fb] * fb.live)
+    all_to_available(states, fulls, owners, expected)
+
+
+class _SecondaryBucket:
+    """hpZ: one all-gather of the secondary slices of `states` (one dtype) over their secondary
+    group, within a node ([Note: hpZ, the secondary shard] in hpz.py); `wait()` installs them."""
+
+    def __init__(self, states: list) -> None:
+        self.states = states
+        self.done = False
+        self._expected = ZeroParamStatus.INFLIGHT
+
+    def issue(self, device: torch.device, inflight: bool = True) -> None:
+        states, hpz = self.states, self.states[0].hpz
+        pieces = [s.secondary for s in states]
+        flat_in = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(device, non_blocking=True)
+        self.flat_out = SCRATCH.take(hpz.size * flat_in.shape[0], flat_in.dtype, device)
+        self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=hpz.group, async_op=True)
+        self._expected = ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
+        if inflight:
+            all_to_inflight(states, self)
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self._work.wait()
+        self._work = None
+        states, flat_out = self.states, self.flat_out
+        buffers = [FULLS.take(run, flat_out.dtype, flat_out.device) for run in _runs(states)]
+        rows = flat_out.view(states[0].hpz.size, -1)
+        fulls = [full for fb in buffers for full in fb.fulls]
+        offset = 0
+        for s, full in zip(states, fulls):
+            n = s.secondary.shape[0]
+            full.view(-1).copy_(rows[:, offset : offset + n].reshape(-1)[: s.numel])
+            offset += n
+        SCRATCH.give_back(flat_out)
+        _install(states, buffers, self._expected)
         self.flat_out = None
         self.done = True
 
@@ -536,6 +583,13 @@ def fetch_states(states: list, owner: object, async_op: bool = False) -> GatherH
     """Take one hold for `owner` on each state and gather those not available (see both notes above)."""
     missing, in_flight = hold_all(states, owner)
     buckets = []
+    if missing and missing[0].hpz is not None and any(s.secondary is not None for s in missing):
+        device = _compute_device()  # hpZ: gather what has a secondary slice within the node
+        for same_dtype in _buckets_by_group_and_dtype([s for s in missing if s.secondary is not None]):
+            bucket = _SecondaryBucket(same_dtype)
+            bucket.issue(device, inflight=async_op)
+            buckets.append(bucket)
+        missing = [s for s in missing if s.secondary is None]
     if missing:
         device = _compute_device()
         layout = _back_to_back(missing)  # one module's parameters, usually: one bucket, one run

@@ -84,6 +84,8 @@ class ZeroParamState:
     external_owners: list  # modules this parameter is registered with as external
     partitioned_class: type  # param's class unless AVAILABLE (see the note)
     gathered_class: type  # param's class while AVAILABLE
+    hpz: Any  # hpZ's HpzLayout (utils/groups.py) when the engine turned hpZ on, else None
+    secondary: Optional[torch.Tensor]  # hpZ: this rank's slice of the secondary partition, or None
 
     def __init__(
         self,
@@ -116,6 +118,8 @@ class ZeroParamState:
         self.external_owners = []
         self.shard_version = 0  # bumped by every write-back of an edit into the shard
         self.partitioned_class, self.gathered_class = classes
+        self.hpz = None
+        self.secondary = None
 
     @classmethod
     def copy_for(cls, source: ZeroParamState, param: nn.Parameter) -> ZeroParamState:
@@ -134,6 +138,7 @@ class ZeroParamState:
         state.pending = None
         state.full_buffer = None
         state.external_owners = []
+        state.secondary = None
         return state
 
     def _make_shard(
@@ -171,6 +176,7 @@ class ZeroParamState:
         self._require(ZeroParamStatus.AVAILABLE, "write_back")
         self._copy_own_slice(self.param.data, self.shard)
         self.shard_version += 1  # tells the optimizer its fp32 master is stale
+        all_drop_secondary([self])  # hpZ: the secondary slice would be stale
 
     def retype_shard(self, out: torch.Tensor) -> None:
         """Move the shard into `out` (a zeroed `[partition_size]` tensor of another dtype)."""
@@ -184,6 +190,7 @@ class ZeroParamState:
         with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
             self.param.data = self.placeholder
         self.shard_version += 1  # an fp32 master made before this must be rebuilt
+        all_drop_secondary([self])
 
     def _require(self, expected: ZeroParamStatus, action: str) -> None:
         assert self.status is expected, (
@@ -289,3 +296,29 @@ def all_to_released(states: list) -> list:
             s.full_buffer = None
             s.status = released
     return buffers
+
+
+def secondary_size(state: ZeroParamState) -> int:
+    """hpZ: elements of each rank's secondary slice, `ceil(numel / hpz.size)` (padding included)."""
+    return shard_sizes(state.numel, state.hpz.size)[0]
+
+
+def all_keep_secondary(states: list) -> None:
+    """hpZ, AVAILABLE after a gather from the primary shards: keep this rank's slice of each
+    gathered tensor, cut over its secondary group ([Note: hpZ, the secondary shard] in hpz.py)."""
+    for s in states:
+        s._require(ZeroParamStatus.AVAILABLE, "keep_secondary")
+    for s in states:
+        size = secondary_size(s)
+        start = s.hpz.rank * size
+        flat = s.param.data.reshape(-1)
+        piece = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+        if start < s.numel:
+            piece[: min(size, s.numel - start)].copy_(flat[start : start + size])
+        s.secondary = piece
+
+
+def all_drop_secondary(states: list) -> None:
+    """hpZ: forget the secondary slices (the shards changed: a step, a load, an edit)."""
+    for s in states:
+        s.secondary = None

@@ -444,8 +444,8 @@ class Init:
         self.mem_efficient_linear = bool(mem_efficient_linear)
         if zero_param_parallel_group is not None:
             raise NotImplementedError(
-                "zero.Init: zero_param_parallel_group (ZeRO++ hpZ, hierarchical partitioning) is not supported; "
-                "pass None (parameters are partitioned over the data-parallel group)"
+                "zero.Init: zero_param_parallel_group (ZeRO++ hpZ's group) is not supported; pass None (parameters are "
+                "partitioned over the data-parallel group; hpZ comes from zero_optimization.zero_hpz_partition_size)"
             )
         if zero_quantized_weights or zero_quantized_nontrainable_weights:
             raise NotImplementedError(

@@ -25,7 +25,7 @@ from torch import nn
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero import gather
+from deepspeed.runtime.zero import gather, hpz
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from deepspeed.runtime.zero.linear import route_linears
@@ -350,6 +350,7 @@ class ShardedParameters(ZeroStrategy):
             on_leaf_backward_done=on_leaf_backward_done,
         )
         self.zero_states = gather.zero_states(module.parameters())
+        hpz.attach(self.zero_states, hpz.hpz_layout(self.config))  # [Note: hpZ, the secondary shard]
         self.persistent = persistent_states(
             module, zero.param_persistence_threshold, zero.model_persistence_threshold
         )
@@ -405,7 +406,8 @@ class ShardedParameters(ZeroStrategy):
 
     def refresh_full_params(self, optimizer: Any, after_load: bool) -> None:
         """Re-gather whatever stays gathered (persistent parameters, a live GatheredParameters),
-        so no gathered tensor keeps old values."""
+        so no gathered tensor keeps old values; hpZ's secondary slices are dropped."""
+        hpz.drop_secondaries(self.zero_states)
         gather.refresh_gathered(self.zero_states)
         gather.drop_pooled_buffers()  # between steps a rank keeps only what ZeRO-3 promises
 
