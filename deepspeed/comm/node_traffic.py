@@ -15,12 +15,14 @@ group's membership and the node layout, never on the transport (ring, tree, shar
   other member;
 - broadcast of `N` bytes: `N` from the source (nothing on the source);
 - reduce of `N` bytes: `N` from every other member on the destination;
+- all-to-all (`all_to_all_single`): from every other member, the slice of the output it
+  fills (`N / g` of the `N` input bytes for equal slices; the `output_split_sizes` rows
+  otherwise);
 - a group with a two-hop plan ([Note: the two-hop all-gather]) counts its two hops: `k`
   from each of the `n - 1` ranks at this rank's position on the other nodes (cross), then
   `n * k` from each of the `p - 1` other ranks on this node (within).
 
-Barriers, object collectives and `all_to_all_single` (which the logger does not see either)
-count nothing. Summed over the ranks, "cross" is the
+Barriers and object collectives count nothing. Summed over the ranks, "cross" is the
 traffic that crosses node boundaries. Counting needs no synchronization (it does not time
 anything); the collectives inside a counted one (the two hops, gloo's broadcasts) are not
 counted again. `deepspeed.comm.count_node_traffic(nodes)` starts a fresh tally (`None`
@@ -69,6 +71,12 @@ class NodeTraffic:
             return [(r, nbytes // g) for r in others]
         if op == "all_reduce":
             return [(r, 2 * nbytes // g) for r in others]
+        if op == "all_to_all_single":  # args: (output, input, output_split_sizes, ...)
+            output, splits = args[0], args[2]
+            if not splits:
+                return [(r, nbytes // g) for r in others]
+            row_bytes = output[0].numel() * output.element_size() if output.dim() else output.element_size()
+            return [(r, splits[ranks.index(r)] * row_bytes) for r in others]
         if op == "broadcast":  # args: (tensor, src, ...), src a global rank
             return [(args[1], nbytes)] if me != args[1] and g > 1 else []
         if op == "reduce":  # args: (tensor, dst, ...)

@@ -120,6 +120,21 @@ class TestNodeTrafficTwoRanks(DistributedTest):
             print(f"bytes per step (cross, within), all ranks, 2 nodes of 1: {sums}")
         with pytest.raises(ValueError, match="3 node indices for a world of 2"):
             dist.count_node_traffic((0, 0, 1))
+        # all-to-all (Ulysses): from the other rank, the slice of the output it fills
+        rank = dist.get_rank()
+        dist.count_node_traffic((0, 1))
+        try:
+            out = torch.empty(8)
+            dist.all_to_all_single(out, torch.arange(8.0))  # equal slices: 4 floats from the other rank
+            splits = [1, 2] if rank == 0 else [2, 3]  # rows of 3 floats each rank sends to ranks 0, 1
+            rows_in = [1, 2] if rank == 0 else [2, 3]  # rows it receives from ranks 0, 1
+            uneven = torch.empty(sum(rows_in), 3)
+            dist.all_to_all_single(uneven, torch.ones(sum(splits), 3), rows_in, splits)
+            tally = dist.node_traffic_totals()["all_to_all_single"]
+        finally:
+            dist.count_node_traffic(None)
+        from_other = rows_in[1 - rank] * 3 * F32
+        assert tally == {"count": 2, "cross_bytes": 4 * F32 + from_other, "within_bytes": 0}, tally
 
 
 @pytest.mark.slow
