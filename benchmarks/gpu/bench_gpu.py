@@ -271,7 +271,6 @@ def run_zoo(opts, interp: Interpreters, clock: Clock) -> dict:
         "-q",
         "-p",
         "no:cacheprovider",
-        "-x",
         "--timeout=300",
     ]
     began = time.monotonic()
