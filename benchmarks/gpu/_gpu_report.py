@@ -113,15 +113,18 @@ def _largest_md(report: dict) -> list:
         if "skipped" in e:
             lines.append(f"| {name} | - | - | - | - | {e['skipped']} |")
             continue
-        probes = ", ".join(
-            f"{p['layers']}{'' if p['ok'] else ' (OOM)' if p.get('oom') else ' (failed)'}"
-            for p in e["probes"]
-        )
+        probes = ", ".join(f"{p['layers']}{_probe_note(p)}" for p in e["probes"])
         lines.append(
             f"| {name} | {e['layers']} | {_fmt(e['params'], ',')} | {_fmt(e['failed_at_layers'], 'd')} | "
-            f"{'yes' if e['bracket_closed'] else 'no (budget)'} | {probes} |"
+            f"{'yes' if e['bracket_closed'] else 'no'} | {probes} |"
         )
     return lines
+
+
+def _probe_note(probe: dict) -> str:
+    if probe["ok"]:
+        return ""
+    return " (OOM)" if probe.get("oom") else " (timed out)" if probe.get("timed_out") else " (failed)"
 
 
 def markdown(report: dict) -> str:

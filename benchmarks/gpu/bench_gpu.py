@@ -122,6 +122,7 @@ def run_batch(interp: Interpreters, impl: str, cases: list, timeout_s: float) ->
     for case in cases:
         if case["id"] not in found:
             found[case["id"]] = {"error": f"no result (exit {code}): {tail[-600:]}", "oom": _oom(tail)}
+            found[case["id"]]["timed_out"] = isinstance(code, str)
         found[case["id"]]["wall_s"] = round(time.monotonic() - began, 2)
     return found
 
@@ -190,7 +191,7 @@ def largest_trainable(opts, interp: Interpreters, clock: Clock) -> dict:
     """Per offloaded implementation: the most blocks that train one step, doubled then bisected.
 
     The real run starts a process per probe, each given what is left of this implementation's
-    share of `--largest-budget-s`; the dry run runs blocks 1 and 2 of each in one process per
+    share of `clock` (`--largest-budget-s` and what the models left unused); the dry run runs blocks 1 and 2 of each in one process per
     interpreter first (a process start costs more than a tiny step), then searches over those.
     """
     spec = dict(DRY_LARGEST if opts.dry_run else LARGEST, **ZERO_SIZES, dtype="bf16")
@@ -202,7 +203,7 @@ def largest_trainable(opts, interp: Interpreters, clock: Clock) -> dict:
         todo = [_probe_case(n, impls[n], spec, layers) for n in names for layers in (1, 2)]
         known = run_cases(opts, interp, todo, clock, limit_s=opts.case_timeout_s)
     for i, name in enumerate(names):
-        share = min(clock.left(), opts.largest_budget_s) / (len(names) - i)
+        share = clock.left() / (len(names) - i)
 
         def probe(layers: int, limit_s: float, name=name) -> dict:
             case = _probe_case(name, impls[name], spec, layers)
@@ -234,6 +235,8 @@ def search(opts, probe, spec: dict, budget_s: float) -> dict:
         good = "error" not in entry and "skipped" not in entry
         params = decoder_params(dict(spec, layers=layers))
         probes.append({"layers": layers, "params": params, "ok": good, **_brief(entry)})
+        if entry.get("timed_out"):
+            break  # out of time, not out of memory: no bound learnt, the bracket stays open
         ok, bad = (max(ok, layers), bad) if good else (ok, layers if bad is None else min(bad, layers))
         if not good and not entry.get("oom") and ok == 0:
             break  # a failure that is not memory at the smallest size: report it, stop
@@ -252,7 +255,7 @@ def search(opts, probe, spec: dict, budget_s: float) -> dict:
 
 
 def _brief(entry: dict) -> dict:
-    keys = ("step_s", "peak_bytes", "peak_rss_bytes", "error", "oom", "wall_s")
+    keys = ("step_s", "peak_bytes", "peak_rss_bytes", "error", "oom", "timed_out", "wall_s")
     return {k: (v[:300] if isinstance(v, str) else v) for k, v in entry.items() if k in keys}
 
 
@@ -317,11 +320,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps a case (offloaded 1.3B: 3)")
     p.add_argument("--budget-s", type=float, default=450, help="the whole run's wall-clock budget")
     p.add_argument("--case-timeout-s", type=float, default=150)
-    p.add_argument("--largest-budget-s", type=float, default=150, help="for all three searches")
+    p.add_argument("--largest-budget-s", type=float, default=90, help="for all three searches")
     p.add_argument("--largest-start", type=int, default=8, help="blocks of the first probe (201M each)")
     p.add_argument("--largest-max-probes", type=int, default=5)
     p.add_argument("--skip-largest", action="store_true")
-    p.add_argument("--zoo-timeout-s", type=float, default=100)
+    p.add_argument("--zoo-timeout-s", type=float, default=90)
+    p.add_argument("--skip-models", action="store_true", help="only the largest-model search and the zoo")
     p.add_argument("--skip-zoo", action="store_true")
     p.add_argument("--skip-upstream", action="store_true")
     p.add_argument("--ours-python", default=sys.executable)
@@ -343,7 +347,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
-    clock = Clock(opts.budget_s)
     interp = Interpreters(opts)
     began = time.monotonic()
     report = {
@@ -351,11 +354,19 @@ def main(argv=None) -> int:
         "dry_run": opts.dry_run,
         **device_info(opts),
         "upstream": interp.skip_upstream or "deepspeed 0.19.8",
-        "models": measure_models(opts, interp, clock),
     }
+    # [Note: the budget] The models get what the largest-model search and the zoo leave, so a
+    # slow case cannot squeeze them out; what the models leave unused goes on to them.
+    later = (0 if opts.skip_largest else opts.largest_budget_s) + (0 if opts.skip_zoo else opts.zoo_timeout_s)
+    models = {} if opts.skip_models else measure_models(opts, interp, Clock(opts.budget_s - later))
+    report["models"] = models
+    clock = Clock(opts.budget_s - (time.monotonic() - began))
+    if opts.skip_largest:
+        report["largest"] = {"skipped": "--skip-largest"}
+    else:
+        zoo_reserve = 0 if opts.skip_zoo or opts.dry_run else opts.zoo_timeout_s
+        report["largest"] = largest_trainable(opts, interp, Clock(clock.left() - zoo_reserve))
     report["zoo"] = run_zoo(opts, interp, clock)
-    skipped = "--skip-largest" if opts.skip_largest else ""
-    report["largest"] = {"skipped": skipped} if skipped else largest_trainable(opts, interp, clock)
     report["ratios"] = _gpu_report.ratios(report)
     report["wall_s"] = round(time.monotonic() - began, 1)
     paths = _gpu_report.write(report, opts.out_dir)

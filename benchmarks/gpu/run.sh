@@ -17,7 +17,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 if [ "${1:-}" = "--dry-run" ]; then
-    PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+    [ -x "$ROOT/.venv/bin/python" ] && PYTHON="${PYTHON:-$ROOT/.venv/bin/python}" || PYTHON="${PYTHON:-python3}"
     exec "$PYTHON" benchmarks/gpu/bench_gpu.py "$@"
 fi
 

@@ -263,3 +263,13 @@ def test_gpu_bench_largest_search_doubles_then_bisects():
     asked.clear()
     found = bench_gpu.search(opts, lambda n, s: asked.append(n) or {"error": "ImportError: x"}, spec, 60)
     assert asked == [8] and found["layers"] == 0 and found["params"] is None
+    # Running out of time is no bound: the search stops with the bracket open.
+    asked.clear()
+
+    def slow(layers, limit_s):
+        asked.append(layers)
+        return {"step_s": 1.0} if layers < 16 else {"error": "no result (exit timeout)", "timed_out": True}
+
+    found = bench_gpu.search(opts, slow, spec, 60)
+    assert asked == [8, 16] and found["layers"] == 8 and found["failed_at_layers"] is None
+    assert not found["bracket_closed"] and found["probes"][-1]["timed_out"]
