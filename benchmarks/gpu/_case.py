@@ -66,7 +66,14 @@ def deepspeed_config(spec: dict, offload: bool) -> dict:
 def setup_deepspeed(spec: dict, offload: bool):
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(model=build_model(spec), config=deepspeed_config(spec, offload))
+    cfg = deepspeed_config(spec, offload)
+    if spec.get("zero_init"):  # the largest-model probes: built partitioned, on the CPU when offloaded
+        remote = "cpu" if offload else None
+        with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device=remote, pin_memory=CUDA and offload):
+            model = build_model(spec)
+    else:
+        model = build_model(spec)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)
 
     def step(x, y):
         loss = engine(x, y)

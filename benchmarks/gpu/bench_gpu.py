@@ -194,7 +194,9 @@ def largest_trainable(opts, interp: Interpreters, clock: Clock) -> dict:
     share of `clock` (`--largest-budget-s` and what the models left unused); the dry run runs blocks 1 and 2 of each in one process per
     interpreter first (a process start costs more than a tiny step), then searches over those.
     """
-    spec = dict(DRY_LARGEST if opts.dry_run else LARGEST, **ZERO_SIZES, dtype="bf16")
+    # zero_init: ours and upstream build the probes under zero.Init (on the CPU), as a user
+    # would a model too big to build whole; FSDP2 builds on the CPU and shards there.
+    spec = dict(DRY_LARGEST if opts.dry_run else LARGEST, **ZERO_SIZES, dtype="bf16", zero_init=True)
     impls = {case: impl for case, impl, _ in CASES}
     names = [n for n in OFFLOADED if not (impls[n] == "upstream" and interp.skip_upstream)]
     found = {n: {"skipped": interp.skip_upstream} for n in OFFLOADED if n not in names}
