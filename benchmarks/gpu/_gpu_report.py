@@ -57,11 +57,12 @@ def one_line(entry: dict) -> str:
     if "skipped" in entry:
         return entry["skipped"]
     if "error" in entry:
-        return ("OOM: " if entry.get("oom") else "error: ") + entry["error"].splitlines()[-1][:200]
-    peak = entry.get("peak_bytes")
+        return ("OOM: " if entry.get("oom") else "error: ") + entry["error"].strip().splitlines()[-1][:200]
+    peak, losses = entry.get("peak_bytes"), entry.get("losses") or [None]
     return (
-        f"{entry['step_s'] * 1e3:.1f} ms/step, peak {_fmt(peak and peak / GIB, '.2f')} GiB, "
-        f"built in {entry['build_s']:.1f} s, loss {entry['losses'][0]:.3f} -> {entry['losses'][-1]:.3f}"
+        f"{_fmt(entry.get('step_s') and entry['step_s'] * 1e3, '.1f')} ms/step, "
+        f"peak {_fmt(peak and peak / GIB, '.2f')} GiB, built in {_fmt(entry.get('build_s'), '.1f')} s, "
+        f"loss {_fmt(losses[0], '.3f')} -> {_fmt(losses[-1], '.3f')}"
     )
 
 
@@ -133,6 +134,8 @@ def markdown(report: dict) -> str:
         if report["dry_run"]
         else "GPU run"
     )
+    if report.get("partial"):
+        kind += f" (cut short: {report['partial']})"
     head = [
         f"# GPU benchmark: {kind}",
         "",

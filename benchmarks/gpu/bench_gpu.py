@@ -166,7 +166,6 @@ def measure_models(opts, interp: Interpreters, clock: Clock) -> dict:
         model, name = key.split(":")
         entry["params"] = decoder_params(dict(models[model], **ZERO_SIZES))
         results[model][name] = entry
-        print(f"{model} {name}: {_gpu_report.one_line(entry)}", flush=True)
     return {m: {name: cases[name] for name, _, _ in CASES} for m, cases in results.items()}
 
 
@@ -183,7 +182,10 @@ def run_cases(opts, interp: Interpreters, todo: list, clock: Clock, limit_s: flo
         if clock.left() < 5:
             out.update({c["id"]: {"skipped": "budget spent (--budget-s)"} for c in group})
             continue
-        out.update(run_batch(interp, group[0]["impl"], group, min(limit_s * len(group), clock.left())))
+        found = run_batch(interp, group[0]["impl"], group, min(limit_s * len(group), clock.left()))
+        for key, entry in found.items():  # as each finishes: a run cut short still shows them
+            print(f"{key.replace(':', ' ')}: {_gpu_report.one_line(entry)}", flush=True)
+        out.update(found)
     return out
 
 
@@ -237,6 +239,7 @@ def search(opts, probe, spec: dict, budget_s: float) -> dict:
         good = "error" not in entry and "skipped" not in entry
         params = decoder_params(dict(spec, layers=layers))
         probes.append({"layers": layers, "params": params, "ok": good, **_brief(entry)})
+        print(f"  probe {layers} blocks ({params:,} parameters): {_gpu_report.one_line(entry)}", flush=True)
         if entry.get("timed_out"):
             break  # out of time, not out of memory: no bound learnt, the bracket stays open
         ok, bad = (max(ok, layers), bad) if good else (ok, layers if bad is None else min(bad, layers))
@@ -362,12 +365,14 @@ def main(argv=None) -> int:
     later = (0 if opts.skip_largest else opts.largest_budget_s) + (0 if opts.skip_zoo else opts.zoo_timeout_s)
     models = {} if opts.skip_models else measure_models(opts, interp, Clock(opts.budget_s - later))
     report["models"] = models
+    _gpu_report.write(dict(report, partial="models only so far"), opts.out_dir)  # kept if cut short
     clock = Clock(opts.budget_s - (time.monotonic() - began))
     if opts.skip_largest:
         report["largest"] = {"skipped": "--skip-largest"}
     else:
         zoo_reserve = 0 if opts.skip_zoo or opts.dry_run else opts.zoo_timeout_s
         report["largest"] = largest_trainable(opts, interp, Clock(clock.left() - zoo_reserve))
+        _gpu_report.write(dict(report, partial="no zoo yet"), opts.out_dir)
     report["zoo"] = run_zoo(opts, interp, clock)
     report["ratios"] = _gpu_report.ratios(report)
     report["wall_s"] = round(time.monotonic() - began, 1)

@@ -210,6 +210,7 @@ def test_gpu_bench_dry_run(tmp_path):
     report = json.loads((tmp_path / "gpu-dry-run.json").read_text())
     assert not (tmp_path / "gpu-latest.json").exists()  # a dry run never stands in for a GPU run
     assert report["dry_run"] is True and report["device"] == "cpu" and report["cuda"] is None
+    assert "partial" not in report  # the section-by-section saves were replaced by the whole
     assert str(missing) in report["upstream"] and "not found" in report["upstream"]
     params = _gpu_module("bench_gpu").decoder_params
     build_model = _gpu_module("_train_workers").build_model
