@@ -198,3 +198,99 @@ def test_run_all_quick(tmp_path):
     assert a2a == values["sequence_parallel.a2a_formula_bytes_per_layer"] and a2a["2"] > 0
     assert "Ulysses sequence parallelism" in md and "sequence parallel sp=2 activation bytes / sp=1" in md
     assert (tmp_path / "latest.md").read_text().startswith("Benchmarks ")
+
+
+# ----------------------------------------------------------------------------- benchmarks/gpu
+
+GPU_CASES = ["ours", "ours_off", "upstream", "upstream_off", "fsdp2", "fsdp2_off", "plain"]
+
+
+def _gpu_module(name: str):
+    for path in (BENCHMARKS / "gpu", BENCHMARKS):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    import importlib
+
+    return importlib.import_module(name)
+
+
+@pytest.mark.timeout(240)
+def test_gpu_bench_dry_run(tmp_path):
+    """bench_gpu.py --dry-run (what `benchmarks/gpu/run.sh --dry-run` runs) on the CPU: every case
+    but upstream's builds and steps once (upstream is recorded as skipped, its python named
+    as missing), the largest-model search probes 1 and 2 blocks, and the JSON and markdown it
+    writes hold what it printed."""
+    missing = tmp_path / "no-venv" / "python"
+    cmd = [sys.executable, str(BENCHMARKS / "gpu" / "bench_gpu.py"), "--dry-run", "--out-dir", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [*cmd, "--upstream-python", str(missing)], capture_output=True, text=True, timeout=220, env=env
+    )
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    report = json.loads((tmp_path / "gpu-dry-run.json").read_text())
+    assert not (tmp_path / "gpu-latest.json").exists()  # a dry run never stands in for a GPU run
+    assert report["dry_run"] is True and report["device"] == "cpu" and report["cuda"] is None
+    assert "partial" not in report  # the section-by-section saves were replaced by the whole
+    assert str(missing) in report["upstream"] and "not found" in report["upstream"]
+    params = _gpu_module("bench_gpu").decoder_params
+    build_model = _gpu_module("_train_workers").build_model
+    for model, sizes in _gpu_module("bench_gpu").DRY_MODELS.items():
+        cases = report["models"][model]
+        assert list(cases) == GPU_CASES, cases.keys()
+        for name, entry in cases.items():
+            if name.startswith("upstream"):
+                assert entry == {"skipped": report["upstream"]}
+                continue
+            assert "error" not in entry, (model, name, entry)
+            assert entry["step_s"] > 0 and entry["peak_bytes"] is None and entry["peak_rss_bytes"] > 0
+            assert len(entry["losses"]) == 2 and all(0 < loss < 20 for loss in entry["losses"])
+            # What it printed is what it wrote.
+            assert f"{model} {name}: {entry['step_s'] * 1e3:.1f} ms/step" in proc.stdout
+        want = sum(p.numel() for p in build_model(sizes).parameters())
+        assert {e["params"] for e in cases.values() if "params" in e} == {params(sizes)} == {want}
+        assert cases["ours"]["optimizer"] == "AdamW" and cases["ours_off"]["optimizer"] == "DeepSpeedCPUAdam"
+        ratio = report["ratios"][f"{model}: ours / FSDP2"]
+        assert ratio["value"] == pytest.approx(cases["ours"]["step_s"] / cases["fsdp2"]["step_s"])
+        assert report["ratios"][f"{model}: ours / upstream"]["met"] is None  # nothing to compare
+    largest = report["largest"]
+    assert list(largest) == ["ours_off", "upstream_off", "fsdp2_off"]
+    assert largest["upstream_off"] == {"skipped": report["upstream"]}
+    for name in ("ours_off", "fsdp2_off"):
+        assert [p["layers"] for p in largest[name]["probes"]] == [1, 2], largest[name]
+        assert largest[name]["layers"] == 2 and all(p["ok"] for p in largest[name]["probes"])
+    assert "skipped" in report["zoo"]
+    md = (tmp_path / "gpu-dry-run.md").read_text()
+    assert md.startswith("# GPU benchmark: DRY RUN") and md in proc.stdout
+    for name in GPU_CASES:
+        assert f"| {name} |" in md
+
+
+def test_gpu_bench_largest_search_doubles_then_bisects():
+    """The search over blocks: 8 and 16, then halves the gap down to the last that fits."""
+    bench_gpu = _gpu_module("bench_gpu")
+    opts = bench_gpu.parse_args(["--largest-start", "8", "--largest-max-probes", "6"])
+    asked = []
+
+    def probe(layers, limit_s):
+        asked.append(layers)
+        return {"step_s": 1.0} if layers <= 11 else {"error": "CUDA out of memory", "oom": True}
+
+    spec = dict(bench_gpu.LARGEST, **bench_gpu.ZERO_SIZES)
+    found = bench_gpu.search(opts, probe, spec, budget_s=60)
+    assert asked == [8, 16, 12, 10, 11]
+    assert found["layers"] == 11 and found["failed_at_layers"] == 12 and found["bracket_closed"]
+    assert found["params"] == bench_gpu.decoder_params(dict(spec, layers=11))
+    # A failure that is not memory at the first size stops the search at once.
+    asked.clear()
+    found = bench_gpu.search(opts, lambda n, s: asked.append(n) or {"error": "ImportError: x"}, spec, 60)
+    assert asked == [8] and found["layers"] == 0 and found["params"] is None
+    # Running out of time is no bound: the search stops with the bracket open.
+    asked.clear()
+
+    def slow(layers, limit_s):
+        asked.append(layers)
+        return {"step_s": 1.0} if layers < 16 else {"error": "no result (exit timeout)", "timed_out": True}
+
+    found = bench_gpu.search(opts, slow, spec, 60)
+    assert asked == [8, 16] and found["layers"] == 8 and found["failed_at_layers"] is None
+    assert not found["bracket_closed"] and found["probes"][-1]["timed_out"]
