@@ -590,6 +590,13 @@ def fetch_states(states: list, owner: object, async_op: bool = False) -> GatherH
             bucket.issue(device, inflight=async_op)
             buckets.append(bucket)
         missing = [s for s in missing if s.secondary is None]
+    if missing and any(s.qwz is not None for s in missing):  # qwZ: quantized.py
+        device = _compute_device()
+        for same in _buckets_by_group_and_dtype([s for s in missing if s.qwz is not None]):
+            bucket = same[0].qwz(same, _back_to_back(same))
+            bucket.issue(device, inflight=async_op)
+            buckets.append(bucket)
+        missing = [s for s in missing if s.qwz is None]
     if missing:
         device = _compute_device()
         layout = _back_to_back(missing)  # one module's parameters, usually: one bucket, one run
