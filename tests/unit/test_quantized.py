@@ -18,6 +18,7 @@ import torch.nn as nn
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero import quantized as qz
 from deepspeed.utils import groups
 from tests.unit.common import DistributedTest
@@ -192,6 +193,9 @@ class TestQuantized(DistributedTest):
             if "zero_quantized_weights" in zero:
                 assert all(s.qwz is qz.QuantizedGatherBucket for s in run.engine.zero.zero_states)
                 gaps[name + "_weight_err"] = check_gathered_bound(run.engine)
+                states = run.engine.zero.zero_states
+                with deepspeed.zero.GatheredParameters([s.param for s in states]):
+                    assert gather.find_discarded_edits(states) == []  # quantized copies are no edits
             if "zero_quantized_gradients" in zero:
                 assert run.engine.reducer.quantized
         assert masters_untouched()
