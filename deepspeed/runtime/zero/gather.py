@@ -474,7 +474,12 @@ def refresh_gathered(states: list) -> None:
     After an optimizer step, parameters that stay gathered (persistent ones, or ones a live
     holder keeps) must see the new shards.
     """
-    gather_into_params([s for s in states if s.status is ZeroParamStatus.AVAILABLE])
+    available = [s for s in states if s.status is ZeroParamStatus.AVAILABLE]
+    if any(s.qwz is not None for s in available):  # qwZ: quantized like its other gathers
+        for same in _buckets_by_group_and_dtype([s for s in available if s.qwz is not None]):
+            same[0].qwz.refresh(same)
+        available = [s for s in available if s.qwz is None]
+    gather_into_params(available)
 
 
 def gather_into_params(states: list, bucket_elems: int = 0) -> None:

@@ -5,10 +5,11 @@ A tensor is flattened, zero-padded to a multiple of `BLOCK` (256) elements and c
 blocks of `BLOCK`. Each block `b` gets one fp32 scale `s_b = max|b| / 127` (symmetric, no
 zero point) and each element becomes `q = round(x / s_b)`, an int8 in [-127, 127]; an
 all-zero block has scale 0 and codes 0. Dequantized, `x' = q * s_b` in fp32, so every
-element obeys `|x - x'| <= s_b / 2` (round to nearest; up to fp32 rounding of the division,
-a few ulps of `s_b`), i.e. at most `max|block| / 254`. Cast to bf16/fp16 afterwards, the
+element obeys `|x - x'| <= s_b / 2` (round to nearest), i.e. at most `max|block| / 254`, up
+to fp32 rounding of the division and the product (a relative 1e-4 of the bound covers it,
+as `|x| <= 127 s_b`). Cast to bf16/fp16 afterwards, the
 parameter's own rounding is added. The payload is 1 byte per element plus 4 bytes per
-block: `padded + 4 * ceil(n / 256)` bytes for `n` elements, about 0.26x of fp32 and 0.51x
+block: `padded + 4 * ceil(n / 256)` bytes for `n` elements (qwZ: per parameter shard), about 0.26x of fp32 and 0.51x
 of bf16.
 
 qwZ (`zero_optimization.zero_quantized_weights`, stage 3): every gather from the primary
@@ -16,10 +17,13 @@ shards (`gather.fetch_states`) quantizes this rank's flat shard input, all-gathe
 payload (codes then scales, the scales' bytes viewed as int8) and dequantizes every rank's
 part, its own included, so all ranks install the same working copy. The shards and the
 optimizer's fp32 masters are never quantized: only the gathered copy carries the error,
-and it reaches training only through the gradients computed on it. Not quantized: the
-refresh of what stays gathered across a step (persistent parameters,
-`param_persistence_threshold`), `GatheredParameters(modifier_rank=...)` broadcasts, and hpZ's
-secondary gathers (they copy the already dequantized values within a node).
+and it reaches training only through the gradients computed on it. Each parameter's shard
+is quantized on its own (blocks never span two parameters), so a parameter's gathered value
+does not depend on which others share its collective: the refresh after a step or a load of
+what stays gathered (`gather.refresh_gathered`, also quantized) gives what a fresh gather
+gives, and a resumed run equals an uninterrupted one bit for bit. Not quantized:
+`GatheredParameters(modifier_rank=...)` broadcasts, and hpZ's secondary gathers (they copy
+the already dequantized values within a node).
 
 qgZ (`zero_optimization.zero_quantized_gradients`, stage 3): a gradient bucket's rank-major
 send buffer `[world, total]` (prescaled as usual) has each row, the slice bound for one rank,
@@ -75,7 +79,7 @@ def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple:
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """`(codes [rows, nb * block], scales [rows, nb])` -> fp32 `[rows, n]`."""
     rows, nb = scales.shape
-    values = codes.view(rows, nb, -1).to(torch.float32) * scales.unsqueeze(2)
+    values = codes.reshape(rows, nb, -1).to(torch.float32) * scales.unsqueeze(2)
     return values.view(rows, -1)[:, :n]
 
 
@@ -119,16 +123,14 @@ class QuantizedGatherBucket:
         key = (tuple(s.ds_id for s in states), tuple(s.shard_version for s in states), device)
         cache = states[0].qwz_cache
         if frozen and cache is not None and cache[0] == key:
-            return cache[1]  # frozen parameters' codes, made once (until an edit or a load)
-        flat_in = gather._flat_input(states, device, self._end)
-        payload = _pack(*quantize_rows(flat_in.view(1, -1))).view(-1)
+            return cache[1]  # frozen parameters' codes, made once (until an edit, a step or a load)
+        payload = _quantize_shards(states, gather._flat_input(states, device, self._end))
         if frozen:
             states[0].qwz_cache = (key, payload)
         return payload
 
     def issue(self, device: torch.device, inflight: bool = True) -> None:
         states = self.states
-        self._n = sum(s.partition_size for s in states)
         self._dtype = states[0].shard.dtype
         payload = self._payload(device)
         world = states[0].world_size
@@ -144,14 +146,45 @@ class QuantizedGatherBucket:
         self._work.wait()
         self._work = None
         states, world = self.states, self.states[0].world_size
-        values = _unpack(self._out.view(world, -1), self._n).to(self._dtype).contiguous()
+        buffers = [gather.FULLS.take(run, self._dtype, self._out.device) for run in gather._runs(states)]
+        _dequantize_into(self._out, states, world, [d for fb in buffers for d in fb.dests])
         self._out = None
-        buffers = [gather.FULLS.take(run, self._dtype, values.device) for run in gather._runs(states)]
-        gather._copy_out(values, buffers, world)
         gather._install(states, buffers, self._expected)
         if states[0].hpz is not None:
             all_keep_secondary(states)
         self.done = True
+
+    @staticmethod
+    def refresh(states: list) -> None:
+        """Re-gather the AVAILABLE `states` (one group and dtype) quantized, into their data in place."""
+        first, device = states[0], gather._compute_device()
+        payload = _quantize_shards(states, gather._flat_input(states, device))
+        out = torch.empty(first.world_size * payload.numel(), dtype=torch.int8, device=device)
+        dist.all_gather_into_tensor(out, payload, group=first.group)
+        dests = [
+            torch.empty(first.world_size, s.partition_size, dtype=s.shard.dtype, device=device)
+            for s in states
+        ]
+        _dequantize_into(out, states, first.world_size, dests)
+        for s, dest in zip(states, dests):
+            s.param.data.copy_(dest.view(-1)[: s.numel].view(s.shape))
+
+
+def _quantize_shards(states: list, flat_in: torch.Tensor) -> torch.Tensor:
+    """This rank's shards of `states` (back to back in `flat_in`) -> one int8 payload, each shard
+    quantized on its own."""
+    pieces = flat_in.split([s.partition_size for s in states])
+    return torch.cat([_pack(*quantize_rows(p.view(1, -1))).view(-1) for p in pieces])
+
+
+def _dequantize_into(out: torch.Tensor, states: list, world: int, dests: list) -> None:
+    """Fill each state's `[world, partition_size]` dest from the gathered payload `out`."""
+    rows = out.view(world, -1)
+    offset = 0
+    for s, dest in zip(states, dests):
+        width = payload_bytes(s.partition_size)
+        dest.copy_(_unpack(rows[:, offset : offset + width], s.partition_size))
+        offset += width
 
 
 def attach(states: list, config: Any) -> None:

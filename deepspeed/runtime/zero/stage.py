@@ -351,11 +351,11 @@ class ShardedParameters(ZeroStrategy):
         )
         self.zero_states = gather.zero_states(module.parameters())
         hpz.attach(self.zero_states, hpz.hpz_layout(self.config))  # [Note: hpZ, the secondary shard]
-        quantized.attach(self.zero_states, self.config)  # [Note: block-wise int8] in zero/quantized.py
         self.persistent = persistent_states(
             module, zero.param_persistence_threshold, zero.model_persistence_threshold
         )
         mark_persistent(self.persistent)
+        quantized.attach(self.zero_states, self.config)  # [Note: block-wise int8] in zero/quantized.py
 
     def shard_state_of(self, param: nn.Parameter) -> Any:
         return param._zero_state if is_zero_param(param) else None
