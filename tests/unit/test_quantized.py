@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -343,10 +344,14 @@ class TestQuantizedFourRanks(DistributedTest):
     world_size = 4
 
     def test_four_ranks_as_two_nodes(self):
+        """2 nodes of 2: qgZ goes in two hops (exact against a local simulation, within the
+        two-hop bound), its cross-node bytes are half the one hop's, and training with qwZ,
+        qgZ and hpZ stays within the tolerance of plain ZeRO-3."""
         os.environ[groups.RANKS_PER_NODE_ENV] = "2"
         groups._TOPOLOGY.reset()
         try:
             check_qgz_bound()
+            check_two_hop_bound()
             data = quant_case("p4", steps=10).micro_batches(4)
             plain = run_engine(quant_case("p4", steps=10), data)
             zero = {
@@ -355,7 +360,40 @@ class TestQuantizedFourRanks(DistributedTest):
                 "zero_hpz_partition_size": 2,
             }
             run = run_engine(quant_case("q4", steps=10, **zero), data)
-            assert 0 < _max_rel(run.losses, plain.losses) <= QUANT_RTOL
+            assert run.engine.reducer.two_hop is not None
+            gap = _max_rel(run.losses, plain.losses)
+            assert 0 < gap <= QUANT_RTOL
         finally:
             del os.environ[groups.RANKS_PER_NODE_ENV]
             groups._TOPOLOGY.reset()
+        both = gather_bytes(2, zero_quantized_gradients=True)["all_to_all_single"]
+        row = qz.payload_bytes(2 * (64 * 512 // 4) + 512 // 4)
+        assert both == (row, 2 * row), both  # one hop would be (2 * row, row)
+        if dist.get_rank() == 0:
+            print(f"\n4 ranks as 2x2: loss gap {gap:.2e}; qgZ bytes (cross, within) {both}")
+
+
+def check_two_hop_bound() -> None:
+    world, rank, p = 4, dist.get_rank(), 2
+    cfg = SimpleNamespace(zero_config=SimpleNamespace(zero_quantized_gradients=True))
+    plan = qz.two_hop_reduce(cfg, None)
+    assert plan is not None and (plan.nodes, plan.per_node) == (2, 2)
+    gen = torch.Generator().manual_seed(1)
+    sends = [torch.randn(world, 700, generator=gen) * (r + 1) for r in range(world)]
+    got = plan.reduce_scatter(sends[rank].clone())
+
+    def qd(x):  # quantize and dequantize one row; its per-element bound
+        codes, scales = qz.quantize(x)
+        return qz.dequantize(codes, scales, x.numel()), _scales_per_element(scales, x.numel()) / 2
+
+    partials, bound = [], torch.zeros(700)
+    for node in range(2):
+        rows = [qd(sends[node * p + local][rank]) for local in range(p)]
+        partials.append(torch.stack([r[0] for r in rows]).sum(0))
+        bound += sum(r[1] for r in rows)
+    second = [qd(x) for x in partials]
+    want = torch.stack([x[0] for x in second]).sum(0)
+    bound += sum(x[1] for x in second)
+    exact = sum(send[rank] for send in sends)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5)
+    assert ((got - exact).abs() <= bound * (1 + ULP) + 1e-5).all()

@@ -101,6 +101,7 @@ class GradientReducer:
         self.replica_group = replica_group
         self.replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
         self.quantized = quantized  # qgZ: int8 all-to-all ([Note: block-wise int8] in quantized.py)
+        self.two_hop = None  # qgZ: a quantized.TwoHopReduce for the parameters' group, or None
         self._pending: dict = {}  # (id(group), dtype) -> list of (state, grad)
         self._pending_elems: dict = {}
         self._in_flight: list = []  # _InFlight, oldest first
@@ -200,7 +201,10 @@ class GradientReducer:
             if before != 1.0:
                 send.mul_(before)
             self.reduce_calls += 1
-            received = quantized.reduce_scatter(send, group)
+            two_hop = self.two_hop
+            received = (
+                quantized.reduce_scatter(send, group) if two_hop is None else two_hop.reduce_scatter(send)
+            )
             self._complete(_InFlight(dist.CommHandle(), (), received, states, world))
             return
         if dist.completes_on_issue(group, blocks[0]):

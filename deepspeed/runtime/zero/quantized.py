@@ -28,10 +28,18 @@ the already dequantized values within a node).
 qgZ (`zero_optimization.zero_quantized_gradients`, stage 3): a gradient bucket's rank-major
 send buffer `[world, total]` (prescaled as usual) has each row, the slice bound for one rank,
 quantized block-wise; one `all_to_all_single` delivers to each rank every other rank's
-quantized slice of its shard, which it dequantizes and sums in fp32. One hop over the whole
-group (not upstream's within-node then across-node two hops). Bound: the received sum
+quantized slice of its shard, which it dequantizes and sums in fp32. Bound: the received sum
 differs from the exact sum by at most `sum_r s_{r,b} / 2` per element, `s_{r,b}` the scale of
 rank r's block. Buckets are reduced synchronously (overlap_comm does not apply to them).
+
+Two hops (`TwoHopReduce`), when the parameters' group is the whole world and the node layout
+(`groups.node_layout()`) has `n > 1` nodes of `p > 1` ranks each: first within the node, each
+rank sends its local peer `j` the `n` slices bound for the ranks at position `j` of every
+node (quantized); peer `j` dequantizes and sums the `p` it receives into `n` partial sums,
+re-quantizes them and sends partial sum `i`, in an all-to-all among the `n` ranks at position
+`j`, to node `i`'s rank. Only the second hop crosses nodes: `(n - 1)` payloads per rank
+instead of `(n - 1) * p`. Bound: the first hop's `sum_r s_r / 2` plus the second hop's
+`sum_i s'_i / 2`, `s'_i` the scale of node i's partial-sum block.
 
 `zero_quantized_nontrainable_weights`: parameters with `requires_grad=False` gather with qwZ
 (even when `zero_quantized_weights` is off), from int8 codes made once and kept with the
@@ -48,6 +56,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus, all_keep_secondary, all_to_inflight
+from deepspeed.utils import groups
 
 BLOCK = 256  # elements per scale
 QMAX = 127
@@ -222,3 +231,48 @@ def reduce_scatter(send: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
     received = torch.empty_like(payload)
     dist.all_to_all_single(received.view(-1), payload.view(-1), group=group)
     return _unpack(received, total).sum(dim=0).to(send.dtype)
+
+
+class TwoHopReduce:
+    """qgZ's reduce-scatter in two hops, within the node then across (see the note)."""
+
+    def __init__(self, nodes: int, per_node: int, within: Any, across: Any) -> None:
+        self.nodes, self.per_node = nodes, per_node
+        self.within = within  # this rank's node, group rank = position on the node
+        self.across = across  # the ranks at this rank's position, group rank = node index
+
+    def reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
+        n, p = self.nodes, self.per_node
+        total = send.shape[1]
+        by_position = send.view(n, p, total).transpose(0, 1).reshape(p * n, total)
+        payload = _pack(*quantize_rows(by_position))
+        received = torch.empty_like(payload)
+        dist.all_to_all_single(received.view(-1), payload.view(-1), group=self.within)
+        partial = _unpack(received, total).view(p, n, total).sum(dim=0)  # [node i] for (i, my position)
+        payload = _pack(*quantize_rows(partial))
+        received = torch.empty_like(payload)
+        dist.all_to_all_single(received.view(-1), payload.view(-1), group=self.across)
+        return _unpack(received, total).sum(dim=0).to(send.dtype)
+
+
+def two_hop_reduce(config: Any, group: Any) -> Optional[TwoHopReduce]:
+    """qgZ's two-hop plan for the parameters' `group` where it spans the world over `n > 1`
+    nodes of `p > 1` ranks each, else None (one hop). Every rank makes the same groups."""
+    world = dist.get_world_size()
+    if not config.zero_config.zero_quantized_gradients or dist.get_world_size(group) != world:
+        return None
+    nodes = groups.node_layout()
+    count = max(nodes) + 1
+    p = world // count
+    if count < 2 or p < 2 or nodes != tuple(r // p for r in range(world)):
+        return None
+    rank, within, across = dist.get_rank(), None, None
+    for i in range(count):
+        ranks = list(range(i * p, (i + 1) * p))
+        made = dist.new_group(ranks)
+        within = made if rank in ranks else within
+    for j in range(p):
+        ranks = [i * p + j for i in range(count)]
+        made = dist.new_group(ranks)
+        across = made if rank in ranks else across
+    return TwoHopReduce(count, p, within, across)
