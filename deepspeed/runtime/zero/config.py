@@ -206,7 +206,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
 
     zero_quantized_gradients: bool = False
     """ZeRO++ qgZ (stage 3): gradient buckets are reduce-scattered as block-wise int8 through one
-    all-to-all, dequantized and summed in fp32 on the receiving rank."""
+    all-to-all (two hops, within the node then across, when the group spans several nodes of
+    several ranks), dequantized and summed in fp32 on the receiving rank."""
 
     zeropp_loco_param: Optional[dict[str, Any]] = None
     """LoCo-ZeRO++ settings (``err_beta``, ``reset_T``); free-form."""
