@@ -37,6 +37,7 @@ from deepspeed.runtime.forward_prologue import forward_prologue, report_progress
 from deepspeed.runtime.host_malloc import keep_freed_memory_for_reuse
 from deepspeed.runtime.sequence_parallel.setup import configure_sequence_parallel
 from deepspeed.runtime.utils import see_memory_usage
+from deepspeed.runtime.zero import quantized
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
 from deepspeed.runtime.zero.leaf_grads import LeafGradients
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
@@ -256,6 +257,8 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
             self.optimizer.settle_gradients,
             replica_group=None if mics is None else mics.replica_group,
         )
+        if self.optimizer.states:  # qgZ across nodes: within the node first ([Note: block-wise int8])
+            self.reducer.two_hop = quantized.two_hop_reduce(self._config, self.optimizer.states[0].group)
         handles = []
         for state in self.optimizer.states:
             handles += self.zero.hook_gradient(state.param)

@@ -222,8 +222,8 @@ def test_aliases_are_refused_too():
 
 def test_assignment_after_parsing_is_checked():
     cfg = DeepSpeedConfig({"train_batch_size": 1})
-    with pytest.raises(ValueError, match=r"zero_quantized_weights=True"):
-        cfg.zero_config.zero_quantized_weights = True
+    with pytest.raises(ValueError, match=r"legacy_stage1=True"):
+        cfg.zero_config.legacy_stage1 = True
 
 
 def test_offload_optimizer_to_cpu_parses_and_nvme_is_refused():

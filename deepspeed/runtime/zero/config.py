@@ -82,13 +82,6 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             "one all-gather per parameter", "parameters are gathered in coalesced buckets; set it to false"
         ),
         "legacy_stage1": _refuse("upstream's old stage-1 implementation", "set it to false"),
-        "zero_quantized_weights": _refuse("ZeRO++ quantized weight all-gather (qwZ)", "set it to false"),
-        "zero_quantized_nontrainable_weights": _refuse(
-            "quantized storage of frozen weights", "set it to false"
-        ),
-        "zero_quantized_gradients": _refuse(
-            "ZeRO++ quantized gradient reduce-scatter (qgZ)", "set it to false"
-        ),
         "zeropp_loco_param": _refuse("LoCo-ZeRO++", "remove the key"),
         "log_trace_cache_warnings": _refuse("trace-cache warnings", "set it to false"),
         "save_muon_momentum_buffer_in_memory": _refuse("Muon NVMe offload options", "set it to false"),
@@ -203,13 +196,18 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     size and fit within a node; 1 turns it off."""
 
     zero_quantized_weights: bool = False
-    """ZeRO++ qwZ: quantize weights for the all-gather."""
+    """ZeRO++ qwZ (stage 3): parameter all-gathers send block-wise int8 (blocks of 256, one fp32
+    scale each) and every rank dequantizes to the parameter dtype; the shards and fp32 masters
+    stay exact (docs/hierarchical.md, zero/quantized.py)."""
 
     zero_quantized_nontrainable_weights: bool = False
-    """Store frozen weights quantized (useful for LoRA)."""
+    """Stage 3: parameters with requires_grad=False gather as int8 (qwZ) from codes made once
+    and kept beside their shard (the full-precision shard is kept too)."""
 
     zero_quantized_gradients: bool = False
-    """ZeRO++ qgZ: quantize gradients for the reduce-scatter."""
+    """ZeRO++ qgZ (stage 3): gradient buckets are reduce-scattered as block-wise int8 through one
+    all-to-all (two hops, within the node then across, when the group spans several nodes of
+    several ranks), dequantized and summed in fp32 on the receiving rank."""
 
     zeropp_loco_param: Optional[dict[str, Any]] = None
     """LoCo-ZeRO++ settings (``err_beta``, ``reset_T``); free-form."""

@@ -474,7 +474,12 @@ def refresh_gathered(states: list) -> None:
     After an optimizer step, parameters that stay gathered (persistent ones, or ones a live
     holder keeps) must see the new shards.
     """
-    gather_into_params([s for s in states if s.status is ZeroParamStatus.AVAILABLE])
+    available = [s for s in states if s.status is ZeroParamStatus.AVAILABLE]
+    if any(s.qwz is not None for s in available):  # qwZ: quantized like its other gathers
+        for same in _buckets_by_group_and_dtype([s for s in available if s.qwz is not None]):
+            same[0].qwz.refresh(same)
+        available = [s for s in available if s.qwz is None]
+    gather_into_params(available)
 
 
 def gather_into_params(states: list, bucket_elems: int = 0) -> None:
@@ -590,6 +595,13 @@ def fetch_states(states: list, owner: object, async_op: bool = False) -> GatherH
             bucket.issue(device, inflight=async_op)
             buckets.append(bucket)
         missing = [s for s in missing if s.secondary is None]
+    if missing and any(s.qwz is not None for s in missing):  # qwZ: quantized.py
+        device = _compute_device()
+        for same in _buckets_by_group_and_dtype([s for s in missing if s.qwz is not None]):
+            bucket = same[0].qwz(same, _back_to_back(same))
+            bucket.issue(device, inflight=async_op)
+            buckets.append(bucket)
+        missing = [s for s in missing if s.qwz is None]
     if missing:
         device = _compute_device()
         layout = _back_to_back(missing)  # one module's parameters, usually: one bucket, one run
@@ -713,10 +725,14 @@ def ranks_that_failed(states: list, failed_here: bool) -> list:
 
 
 def find_discarded_edits(states: list) -> list:
-    """ds_ids of gathered tensors that differ from their shards on any rank (sanity checks).
+    """ds_ids of gathered tensors that differ from their shards on any rank (sanity checks;
+    parameters gathered quantized, qwZ, are not checked).
 
     Regathers the shards and compares; the verdict is all-reduced so every rank agrees.
     """
+    states = [s for s in states if s.qwz is None]  # qwZ's copies differ from the shards by design
+    if not states:
+        return []
     device = _compute_device()
     changed = []
     for bucket_states in _buckets_by_group_and_dtype(states):

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed import comm as dist
+from deepspeed.runtime.zero import quantized
 from deepspeed.runtime.zero.lifecycle import ZeroParamState
 
 MAX_IN_FLIGHT = 2  # asynchronous reduce-scatters outstanding at once (see [Note: overlap_comm])
@@ -81,6 +82,7 @@ class GradientReducer:
         sum_over_ranks: bool = False,
         settle: Optional[Callable] = None,
         replica_group: Any = None,
+        quantized: bool = False,
     ) -> None:
         if predivide_factor <= 0:
             raise ValueError(f"gradient_predivide_factor must be positive, got {predivide_factor}")
@@ -98,6 +100,8 @@ class GradientReducer:
         # MiCS: the ranks holding the same shards ([Note: the replica all-reduce]); None: no replicas.
         self.replica_group = replica_group
         self.replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
+        self.quantized = quantized  # qgZ: int8 all-to-all ([Note: block-wise int8] in quantized.py)
+        self.two_hop = None  # qgZ: a quantized.TwoHopReduce for the parameters' group, or None
         self._pending: dict = {}  # (id(group), dtype) -> list of (state, grad)
         self._pending_elems: dict = {}
         self._in_flight: list = []  # _InFlight, oldest first
@@ -121,6 +125,7 @@ class GradientReducer:
             predivide_factor=config.gradient_predivide_factor,
             sum_over_ranks=config.gradient_allreduce_op == "sum",
             replica_group=replica_group,
+            quantized=bool(zero.zero_quantized_gradients),
         )
 
     def scales(self, world: int) -> tuple:
@@ -190,6 +195,18 @@ class GradientReducer:
         del items, grad, flat
         before, _ = self.scales(world)
         group = states[0].group
+        if self.quantized:  # qgZ: synchronous, whatever overlap_comm says
+            send = torch.cat(blocks, dim=1)
+            del blocks
+            if before != 1.0:
+                send.mul_(before)
+            self.reduce_calls += 1
+            two_hop = self.two_hop
+            received = (
+                quantized.reduce_scatter(send, group) if two_hop is None else two_hop.reduce_scatter(send)
+            )
+            self._complete(_InFlight(dist.CommHandle(), (), received, states, world))
+            return
         if dist.completes_on_issue(group, blocks[0]):
             # Shared memory: the reduction is over when the call returns, so there is nothing
             # to overlap, and the blocks go straight into this rank's slot: no send buffer

@@ -86,6 +86,9 @@ class ZeroParamState:
     gathered_class: type  # param's class while AVAILABLE
     hpz: Any  # hpZ's HpzLayout (utils/groups.py) when the engine turned hpZ on, else None
     secondary: Optional[torch.Tensor]  # hpZ: this rank's slice of the secondary partition, or None
+    qwz: Any  # qwZ: the quantized gather's bucket class (quantized.py) when it is on, else None
+    qwz_frozen: bool  # zero_quantized_nontrainable_weights: its codes are made once and kept
+    qwz_cache: Any  # (key, payload) of the frozen parameters' codes, or None
 
     def __init__(
         self,
@@ -120,6 +123,9 @@ class ZeroParamState:
         self.partitioned_class, self.gathered_class = classes
         self.hpz = None
         self.secondary = None
+        self.qwz = None
+        self.qwz_frozen = False
+        self.qwz_cache = None
 
     @classmethod
     def copy_for(cls, source: ZeroParamState, param: nn.Parameter) -> ZeroParamState:

@@ -449,7 +449,9 @@ class Init:
             )
         if zero_quantized_weights or zero_quantized_nontrainable_weights:
             raise NotImplementedError(
-                "zero.Init: quantized weights (ZeRO++ qwZ) are not supported; pass False"
+                "zero.Init: quantized weights (ZeRO++ qwZ) are not supported as Init arguments; pass False "
+                "(the engine quantizes gathers from zero_optimization.zero_quantized_weights / "
+                "zero_quantized_nontrainable_weights)"
             )
         if param_swapper is not None:
             raise NotImplementedError("zero.Init: param_swapper (NVMe offload) is not supported; pass None")

@@ -25,7 +25,7 @@ from torch import nn
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero import gather, hpz
+from deepspeed.runtime.zero import gather, hpz, quantized
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from deepspeed.runtime.zero.linear import route_linears
@@ -355,6 +355,7 @@ class ShardedParameters(ZeroStrategy):
             module, zero.param_persistence_threshold, zero.model_persistence_threshold
         )
         mark_persistent(self.persistent)
+        quantized.attach(self.zero_states, self.config)  # [Note: block-wise int8] in zero/quantized.py
 
     def shard_state_of(self, param: nn.Parameter) -> Any:
         return param._zero_state if is_zero_param(param) else None
@@ -408,6 +409,7 @@ class ShardedParameters(ZeroStrategy):
         """Re-gather whatever stays gathered (persistent parameters, a live GatheredParameters),
         so no gathered tensor keeps old values; hpZ's secondary slices are dropped."""
         hpz.drop_secondaries(self.zero_states)
+        quantized.drop_caches(self.zero_states)
         gather.refresh_gathered(self.zero_states)
         gather.drop_pooled_buffers()  # between steps a rank keeps only what ZeRO-3 promises
 
@@ -431,6 +433,7 @@ class ShardedParameters(ZeroStrategy):
 
 def choose_strategy(config: Any) -> ZeroStrategy:
     """The strategy for `config.zero_optimization_stage`: the one place the stage is tested."""
+    quantized.check_config(config)  # qwZ / qgZ are stage 3's
     if config.zero_optimization_stage == 3:
         return ShardedParameters(config)
     return ReplicatedParameters(config)

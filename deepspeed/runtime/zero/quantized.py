@@ -1,0 +1,278 @@
+"""ZeRO++ qwZ and qgZ: block-wise int8 parameter all-gathers and gradient reduce-scatters.
+
+[Note: block-wise int8]
+A tensor is flattened, zero-padded to a multiple of `BLOCK` (256) elements and cut into
+blocks of `BLOCK`. Each block `b` gets one fp32 scale `s_b = max|b| / 127` (symmetric, no
+zero point) and each element becomes `q = round(x / s_b)`, an int8 in [-127, 127]; an
+all-zero block has scale 0 and codes 0. Dequantized, `x' = q * s_b` in fp32, so every
+element obeys `|x - x'| <= s_b / 2` (round to nearest), i.e. at most `max|block| / 254`, up
+to fp32 rounding of the division and the product (a relative 1e-4 of the bound covers it,
+as `|x| <= 127 s_b`). Cast to bf16/fp16 afterwards, the
+parameter's own rounding is added. The payload is 1 byte per element plus 4 bytes per
+block: `padded + 4 * ceil(n / 256)` bytes for `n` elements (qwZ: per parameter shard), about 0.26x of fp32 and 0.51x
+of bf16.
+
+qwZ (`zero_optimization.zero_quantized_weights`, stage 3): every gather from the primary
+shards (`gather.fetch_states`) quantizes this rank's flat shard input, all-gathers one int8
+payload (codes then scales, the scales' bytes viewed as int8) and dequantizes every rank's
+part, its own included, so all ranks install the same working copy. The shards and the
+optimizer's fp32 masters are never quantized: only the gathered copy carries the error,
+and it reaches training only through the gradients computed on it. Each parameter's shard
+is quantized on its own (blocks never span two parameters), so a parameter's gathered value
+does not depend on which others share its collective: the refresh after a step or a load of
+what stays gathered (`gather.refresh_gathered`, also quantized) gives what a fresh gather
+gives, and a resumed run equals an uninterrupted one bit for bit. Not quantized:
+`GatheredParameters(modifier_rank=...)` broadcasts, and hpZ's secondary gathers (they copy
+the already dequantized values within a node).
+
+qgZ (`zero_optimization.zero_quantized_gradients`, stage 3): a gradient bucket's rank-major
+send buffer `[world, total]` (prescaled as usual) has each row, the slice bound for one rank,
+quantized block-wise; one `all_to_all_single` delivers to each rank every other rank's
+quantized slice of its shard, which it dequantizes and sums in fp32. Bound: the received sum
+differs from the exact sum by at most `sum_r s_{r,b} / 2` per element, `s_{r,b}` the scale of
+rank r's block. Buckets are reduced synchronously (overlap_comm does not apply to them).
+
+Two hops (`TwoHopReduce`), when the parameters' group is the whole world and the node layout
+(`groups.node_layout()`) has `n > 1` nodes of `p > 1` ranks each: first within the node, each
+rank sends its local peer `j` the `n` slices bound for the ranks at position `j` of every
+node (quantized); peer `j` dequantizes and sums the `p` it receives into `n` partial sums,
+re-quantizes them and sends partial sum `i`, in an all-to-all among the `n` ranks at position
+`j`, to node `i`'s rank. Only the second hop crosses nodes: `(n - 1)` payloads per rank
+instead of `(n - 1) * p`. Bound: the first hop's `sum_r s_r / 2` plus the second hop's
+`sum_i s'_i / 2`, `s'_i` the scale of node i's partial-sum block.
+
+`zero_quantized_nontrainable_weights`: parameters with `requires_grad=False` gather with qwZ
+(even when `zero_quantized_weights` is off), from int8 codes made once and kept with the
+shard (`state.qwz_cache`), so frozen weights are quantized once, not at every gather. The
+full-precision shard is kept as well (checkpoints save it), so memory is not saved here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.runtime.zero import gather
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus, all_keep_secondary, all_to_inflight
+from deepspeed.utils import groups
+
+BLOCK = 256  # elements per scale
+QMAX = 127
+
+
+def blocks_of(numel: int, block: int = BLOCK) -> int:
+    return -(-numel // block)
+
+
+def payload_bytes(numel: int, block: int = BLOCK) -> int:
+    """Bytes of the int8 payload (codes and fp32 scales) for `numel` elements."""
+    nb = blocks_of(numel, block)
+    return nb * block + 4 * nb
+
+
+def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple:
+    """`x` `[rows, n]` -> `(codes int8 [rows, nb * block], scales fp32 [rows, nb])` (see the note)."""
+    rows, n = x.shape
+    nb = blocks_of(n, block)
+    padded = torch.zeros(rows, nb * block, dtype=torch.float32, device=x.device)
+    padded[:, :n] = x
+    blocks = padded.view(rows, nb, block)
+    scales = blocks.abs().amax(dim=2) / QMAX
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(blocks / safe.unsqueeze(2)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return codes.view(rows, nb * block), scales
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """`(codes [rows, nb * block], scales [rows, nb])` -> fp32 `[rows, n]`."""
+    rows, nb = scales.shape
+    values = codes.reshape(rows, nb, -1).to(torch.float32) * scales.unsqueeze(2)
+    return values.view(rows, -1)[:, :n]
+
+
+def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple:
+    """A tensor of any shape -> `(codes int8 [nb * block], scales fp32 [nb])`."""
+    codes, scales = quantize_rows(x.reshape(1, -1), block)
+    return codes.view(-1), scales.view(-1)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
+    return dequantize_rows(codes.view(1, -1), scales.view(1, -1), numel).view(-1)
+
+
+def _pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`[rows, nb * block]` codes and `[rows, nb]` scales -> one int8 `[rows, nb * block + 4 * nb]`."""
+    return torch.cat([codes, scales.contiguous().view(torch.int8)], dim=1)
+
+
+def _unpack(payload: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `_pack`, dequantized: fp32 `[rows, n]`."""
+    rows, width = payload.shape
+    nb = width // (BLOCK + 4)
+    codes = payload[:, : nb * BLOCK]
+    scales = payload[:, nb * BLOCK :].contiguous().view(torch.float32)
+    return dequantize_rows(codes, scales, n)
+
+
+class QuantizedGatherBucket:
+    """qwZ: one int8 all-gather for parameters of one (group, dtype), the drop-in for
+    gather's `_GatherBucket` (`fetch_states` builds it when the states carry `qwz`)."""
+
+    def __init__(self, states: list, layout: tuple = (-1, None)) -> None:
+        self.states = states
+        self._end = layout[0]
+        self._expected = ZeroParamStatus.INFLIGHT
+        self.done = False
+
+    def _payload(self, device: torch.device) -> torch.Tensor:
+        states = self.states
+        frozen = all(s.qwz_frozen for s in states)
+        key = (tuple(s.ds_id for s in states), tuple(s.shard_version for s in states), device)
+        cache = states[0].qwz_cache
+        if frozen and cache is not None and cache[0] == key:
+            return cache[1]  # frozen parameters' codes, made once (until an edit, a step or a load)
+        payload = _quantize_shards(states, gather._flat_input(states, device, self._end))
+        if frozen:
+            states[0].qwz_cache = (key, payload)
+        return payload
+
+    def issue(self, device: torch.device, inflight: bool = True) -> None:
+        states = self.states
+        self._dtype = states[0].shard.dtype
+        payload = self._payload(device)
+        world = states[0].world_size
+        self._out = torch.empty(world * payload.numel(), dtype=torch.int8, device=device)
+        self._work = dist.all_gather_into_tensor(self._out, payload, group=states[0].group, async_op=True)
+        self._expected = ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
+        if inflight:
+            all_to_inflight(states, self)
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self._work.wait()
+        self._work = None
+        states, world = self.states, self.states[0].world_size
+        buffers = [gather.FULLS.take(run, self._dtype, self._out.device) for run in gather._runs(states)]
+        _dequantize_into(self._out, states, world, [d for fb in buffers for d in fb.dests])
+        self._out = None
+        gather._install(states, buffers, self._expected)
+        if states[0].hpz is not None:
+            all_keep_secondary(states)
+        self.done = True
+
+    @staticmethod
+    def refresh(states: list) -> None:
+        """Re-gather the AVAILABLE `states` (one group and dtype) quantized, into their data in place."""
+        first, device = states[0], gather._compute_device()
+        payload = _quantize_shards(states, gather._flat_input(states, device))
+        out = torch.empty(first.world_size * payload.numel(), dtype=torch.int8, device=device)
+        dist.all_gather_into_tensor(out, payload, group=first.group)
+        dests = [
+            torch.empty(first.world_size, s.partition_size, dtype=s.shard.dtype, device=device)
+            for s in states
+        ]
+        _dequantize_into(out, states, first.world_size, dests)
+        for s, dest in zip(states, dests):
+            s.param.data.copy_(dest.view(-1)[: s.numel].view(s.shape))
+
+
+def _quantize_shards(states: list, flat_in: torch.Tensor) -> torch.Tensor:
+    """This rank's shards of `states` (back to back in `flat_in`) -> one int8 payload, each shard
+    quantized on its own."""
+    pieces = flat_in.split([s.partition_size for s in states])
+    return torch.cat([_pack(*quantize_rows(p.view(1, -1))).view(-1) for p in pieces])
+
+
+def _dequantize_into(out: torch.Tensor, states: list, world: int, dests: list) -> None:
+    """Fill each state's `[world, partition_size]` dest from the gathered payload `out`."""
+    rows = out.view(world, -1)
+    offset = 0
+    for s, dest in zip(states, dests):
+        width = payload_bytes(s.partition_size)
+        dest.copy_(_unpack(rows[:, offset : offset + width], s.partition_size))
+        offset += width
+
+
+def attach(states: list, config: Any) -> None:
+    """Turn qwZ on for the states the config asks for (all, or the frozen ones)."""
+    zero = config.zero_config
+    for s in states:
+        frozen = not s.param.requires_grad
+        if zero.zero_quantized_weights or (zero.zero_quantized_nontrainable_weights and frozen):
+            s.qwz = QuantizedGatherBucket
+            s.qwz_frozen = frozen and zero.zero_quantized_nontrainable_weights
+
+
+def drop_caches(states: list) -> None:
+    """Forget the frozen parameters' codes (after a step or a load: a shard may have changed)."""
+    for s in states:
+        s.qwz_cache = None
+
+
+def check_config(config: Any) -> None:
+    """Refuse the quantized keys where they are not built (stages 0-2), naming the key."""
+    zero = config.zero_config
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+        if getattr(zero, key) and zero.stage != 3:
+            raise ValueError(
+                f"zero_optimization.{key}=True needs ZeRO stage 3 here (stage is {zero.stage}); "
+                "set stage to 3 or the key to false"
+            )
+
+
+def reduce_scatter(send: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
+    """qgZ: `send` `[world, total]` (row r: the slice for rank r) -> this rank's summed slice
+    `[total]` in `send`'s dtype, through int8 all-to-all (see the note)."""
+    world, total = send.shape
+    payload = _pack(*quantize_rows(send))
+    received = torch.empty_like(payload)
+    dist.all_to_all_single(received.view(-1), payload.view(-1), group=group)
+    return _unpack(received, total).sum(dim=0).to(send.dtype)
+
+
+class TwoHopReduce:
+    """qgZ's reduce-scatter in two hops, within the node then across (see the note)."""
+
+    def __init__(self, nodes: int, per_node: int, within: Any, across: Any) -> None:
+        self.nodes, self.per_node = nodes, per_node
+        self.within = within  # this rank's node, group rank = position on the node
+        self.across = across  # the ranks at this rank's position, group rank = node index
+
+    def reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
+        n, p = self.nodes, self.per_node
+        total = send.shape[1]
+        by_position = send.view(n, p, total).transpose(0, 1).reshape(p * n, total)
+        payload = _pack(*quantize_rows(by_position))
+        received = torch.empty_like(payload)
+        dist.all_to_all_single(received.view(-1), payload.view(-1), group=self.within)
+        partial = _unpack(received, total).view(p, n, total).sum(dim=0)  # [node i] for (i, my position)
+        payload = _pack(*quantize_rows(partial))
+        received = torch.empty_like(payload)
+        dist.all_to_all_single(received.view(-1), payload.view(-1), group=self.across)
+        return _unpack(received, total).sum(dim=0).to(send.dtype)
+
+
+def two_hop_reduce(config: Any, group: Any) -> Optional[TwoHopReduce]:
+    """qgZ's two-hop plan for the parameters' `group` where it spans the world over `n > 1`
+    nodes of `p > 1` ranks each, else None (one hop). Every rank makes the same groups."""
+    world = dist.get_world_size()
+    if not config.zero_config.zero_quantized_gradients or dist.get_world_size(group) != world:
+        return None
+    nodes = groups.node_layout()
+    count = max(nodes) + 1
+    p = world // count
+    if count < 2 or p < 2 or nodes != tuple(r // p for r in range(world)):
+        return None
+    rank, within, across = dist.get_rank(), None, None
+    for i in range(count):
+        ranks = list(range(i * p, (i + 1) * p))
+        made = dist.new_group(ranks)
+        within = made if rank in ranks else within
+    for j in range(p):
+        ranks = [i * p + j for i in range(count)]
+        made = dist.new_group(ranks)
+        across = made if rank in ranks else across
+    return TwoHopReduce(count, p, within, across)
