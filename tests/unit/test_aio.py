@@ -214,3 +214,13 @@ def test_bandwidth_against_plain_python(aio, tmp_path):
     for op, who, sec in rows:
         print(f"  {op:<5} {who:<10} {_rate(nbytes, sec)}")
     assert torch.equal(back, buf) and got == data
+
+
+def test_dropping_a_handle_with_pending_ops_finishes_them(aio, tmp_path):
+    """No wait(): deleting the handle lets the write finish (and does not hang)."""
+    path = str(tmp_path / "dropped.bin")
+    src = random_bytes(4 << 20, seed=7)
+    h = aio.aio_handle(64 * 1024, 2, False, False, 3)
+    h.async_pwrite(src, path)
+    del h
+    assert torch.equal(file_bytes(path), src)
