@@ -64,6 +64,8 @@ def op_report(hide_errors: bool = False) -> list[str]:
         built = not reasons and builder.is_built()
         lines.append(f"{name:<20} {_yes_no(not reasons):<12} {_yes_no(built)}")
         problems.extend(f"{name}: {reason}" for reason in reasons)
+    if "async_io" in ALL_OPS and not ALL_OPS["async_io"].incompatibility_reasons():
+        lines += [RULE, _line("async_io backend", ALL_OPS["async_io"].backend_note())]
     if problems and not hide_errors:
         lines += [RULE, "Why some ops are not compatible:"] + [f"  {p}" for p in problems]
     return lines

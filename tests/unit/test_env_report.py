@@ -77,3 +77,14 @@ def test_incompatible_op_reasons_and_hiding(capsys, monkeypatch, hide):
 def test_unknown_flag_is_an_error(capsys):
     with pytest.raises(SystemExit):
         env_report.main(["--no_such_flag"])
+
+
+def test_async_io_row_and_backend(capsys):
+    out = run_report(capsys)
+    op = ALL_OPS["async_io"]
+    row = re.search(r"^async_io\s+(\[\w+\])", out, re.MULTILINE)
+    assert row is not None and row.group(1) == ("[YES]" if op.is_compatible() else "[NO]"), out
+    if op.is_compatible():
+        assert value_of(out, "async_io backend").startswith("thread_pool: worker threads doing pread/pwrite")
+    else:
+        assert "async_io backend" not in out

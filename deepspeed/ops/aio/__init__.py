@@ -1,4 +1,8 @@
-"""`deepspeed.ops.aio`: where upstream users import `AsyncIOBuilder` from (see op_builder/async_io.py)."""
+"""`deepspeed.ops.aio`: asynchronous tensor file I/O (the `async_io` op; see docs/nvme.md).
+
+`AsyncIOBuilder().load()` compiles the op on first use (cached in $TORCH_EXTENSIONS_DIR) and
+returns the module holding `aio_handle` and `AsyncIOError`.
+"""
 
 from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
 

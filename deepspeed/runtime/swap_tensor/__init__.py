@@ -1,4 +1,5 @@
-"""Tensor swapping to NVMe (ZeRO-Infinity): not built in this package (see op_builder/async_io.py).
+"""Tensor swapping to NVMe (ZeRO-Infinity): not built in this package; the async I/O engine it
+would use is (`deepspeed.ops.aio`, docs/nvme.md).
 
 `MIN_SWAPPABLE_BYTES` is kept because callers size models by it: upstream swaps only tensors
 of at least this many bytes (1 MiB) and keeps smaller ones in memory.
