@@ -1,5 +1,5 @@
 """Every benchmark in one go: train step, gather, init memory, scaling, CPU Adam, rank agreement, GPT-2 small,
-sequence parallelism.
+sequence parallelism, multi-node ZeRO (hierarchical).
 
     python benchmarks/run_all.py                       # ~20 min on 2 shared cores (make bench)
     python benchmarks/run_all.py --quick --skip-upstream --out-dir /tmp/r   # a ~2.5 min smoke run
@@ -26,6 +26,9 @@ Sections (each reuses the functions of the script named, nothing is re-implement
   sequence_parallel  bench_sequence_parallel.py: Ulysses' activation bytes per rank at sp = 1, 2,
               4, with and without tiling, over sp = 1's; all-to-all bytes per layer against the
               formula; the longest sequence trained within an RSS cap per rank (sp = 1, 2)
+  hierarchical  bench_hierarchical.py: 4 ranks as 2 nodes x 2, plain ZeRO-3 / MiCS / hpZ /
+              hpZ+qwZ+qgZ: one step's cross-node and within-node bytes (summed over ranks) and
+              the median step time, each over plain ZeRO-3's
 
 Writes `<out-dir>/latest.json`, `latest.md` (the headline tables, also printed) and
 `latest.png` (when matplotlib is installed). `--skip-upstream` reports upstream as null.
@@ -52,6 +55,7 @@ import bench_agreement  # noqa: E402
 import bench_cpu_adam  # noqa: E402
 import bench_gather  # noqa: E402
 import bench_gpt2_small  # noqa: E402
+import bench_hierarchical  # noqa: E402
 import bench_init_memory  # noqa: E402
 import bench_sequence_parallel  # noqa: E402
 import bench_train_step  # noqa: E402
@@ -438,6 +442,21 @@ def run_sequence_parallel(opts) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- multi-node ZeRO
+
+
+def run_hierarchical(opts) -> dict:
+    """bench_hierarchical.py: cross-node bytes and step time of MiCS, hpZ, hpZ+qwZ+qgZ vs ZeRO-3.
+
+    --quick: a tiny decoder and one round (2 timed steps per layout)."""
+    began = _section("hierarchical: 4 ranks as 2 nodes x 2, cross-node bytes and step time per layout")
+    bh = bench_hierarchical
+    out = bh.measure(bh.QUICK_SPEC if opts.quick else bh.SPEC, 1 if opts.quick else bh.ROUNDS)
+    print(bh.format_table(out))
+    out["wall_s"] = round(time.monotonic() - began, 1)
+    return out
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -472,7 +491,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--upstream-python", type=Path, default=bench_train_step.UPSTREAM_PYTHON)
     parser.add_argument(
         "--only",
-        default="train_step,gather,init,scaling,cpu_adam,agreement,gpt2_small,sequence_parallel",
+        default="train_step,gather,init,scaling,cpu_adam,agreement,gpt2_small,sequence_parallel,hierarchical",
         help="comma list of sections to run (others null, or kept with --update)",
     )
     parser.add_argument(
@@ -498,6 +517,7 @@ def main(argv=None) -> int:
         "agreement": lambda tmp: run_agreement(opts),
         "gpt2_small": lambda tmp: run_gpt2_small(opts, tmp),
         "sequence_parallel": lambda tmp: run_sequence_parallel(opts),
+        "hierarchical": lambda tmp: run_hierarchical(opts),
     }
     only = {name for name in opts.only.split(",") if name}
     unknown = sorted(only - set(runners))

@@ -148,7 +148,9 @@ def _lookup(report: dict, dotted: str):
 def test_run_all_quick(tmp_path):
     # About 18 process groups start (ZeRO-3, -1, -2, offload, FSDP2, DDP at 1 and 2 ranks, the
     # GPT-2 stand-in): about two minutes on 2 cores, more when other jobs load the machine.
-    out = _run("run_all.py", "--skip-upstream", "--out-dir", str(tmp_path), timeout=420)
+    # The hierarchical section runs in its own test below (test_run_all_quick_hierarchical).
+    only = "train_step,gather,init,scaling,cpu_adam,agreement,gpt2_small,sequence_parallel"
+    out = _run("run_all.py", "--skip-upstream", "--out-dir", str(tmp_path), "--only", only, timeout=420)
     assert "| metric | measured | target | met |" in out
     report = json.loads((tmp_path / "latest.json").read_text())
     values = {key: _lookup(report, key) for key in REQUIRED_KEYS}
@@ -198,6 +200,48 @@ def test_run_all_quick(tmp_path):
     assert a2a == values["sequence_parallel.a2a_formula_bytes_per_layer"] and a2a["2"] > 0
     assert "Ulysses sequence parallelism" in md and "sequence parallel sp=2 activation bytes / sp=1" in md
     assert (tmp_path / "latest.md").read_text().startswith("Benchmarks ")
+
+
+@pytest.mark.timeout(150)
+def test_run_all_quick_hierarchical(tmp_path):
+    """The hierarchical section alone (about 30 s): 4 ranks as 2 nodes x 2, one step's bytes per
+    layout read back from latest.json and checked against what each layout must move."""
+    out = _run(
+        "run_all.py", "--skip-upstream", "--out-dir", str(tmp_path), "--only", "hierarchical", timeout=140
+    )
+    assert "hpZ + qwZ + qgZ" in out, out
+    report = json.loads((tmp_path / "latest.json").read_text())
+    h = report["hierarchical"]
+    assert (h["world_size"], h["ranks_per_node"]) == (4, 2)
+    import deepspeed
+
+    assert h["deepspeed_file"] == deepspeed.__file__  # the ranks ran this tree's deepspeed
+    rows = h["rows"]
+    assert list(rows) == ["plain", "mics", "hpz", "hpz_qwz_qgz"]
+    plain, mics, hpz, quant = (rows[k] for k in rows)
+
+    def op(row, name):
+        return row["by_op"].get(name, {"cross_bytes": 0, "within_bytes": 0})
+
+    # Plain ZeRO-3: every collective spans the world, so a rank hears 2 ranks across, 1 within.
+    assert plain["cross_bytes"] > 0 and plain["cross_bytes"] == 2 * plain["within_bytes"]
+    # MiCS (one node a shard group): only the replicas' gradient all-reduce crosses nodes, and
+    # it carries as many bytes across as plain's reduce-scatter does.
+    assert op(mics, "all_reduce")["cross_bytes"] == mics["cross_bytes"]
+    assert mics["cross_bytes"] == op(plain, "reduce_scatter_columns")["cross_bytes"]
+    # hpZ: the backward's gathers stay in the node; the reduce-scatter is plain's.
+    assert op(hpz, "reduce_scatter_columns") == op(plain, "reduce_scatter_columns")
+    assert hpz["cross_bytes"] < plain["cross_bytes"] and hpz["within_bytes"] > plain["within_bytes"]
+    # hpZ + qwZ + qgZ: int8 gathers and the two-hop reduce-scatter (an all-to-all).
+    assert (
+        "reduce_scatter_columns" not in quant["by_op"] and op(quant, "all_to_all_single")["cross_bytes"] > 0
+    )
+    assert quant["cross_bytes"] < 0.25 * plain["cross_bytes"]
+    assert h["cross_ratio_hpz_qwz_qgz"] == quant["cross_bytes"] / plain["cross_bytes"]
+    assert all(row["step_s"] > 0 and len(row["step_times_s"]) == 2 for row in rows.values())
+    md = (tmp_path / "latest.md").read_text()
+    assert "Multi-node ZeRO at 4 ranks as 2 nodes x 2" in md
+    assert "hpZ+qwZ+qgZ cross-node bytes / plain ZeRO-3 (2x2)" in md
 
 
 # ----------------------------------------------------------------------------- benchmarks/gpu
