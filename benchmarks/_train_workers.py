@@ -213,9 +213,12 @@ def setup_deepspeed(model: nn.Module, spec: dict, stage: int = 3, offload: bool 
     return step, info
 
 
-def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, autocast: bool):
+def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, autocast: bool, device_type: str = "cpu"):
+    """One torch training step (bf16 autocast on `device_type` when `autocast`); also the GPU
+    benchmark's step for FSDP2 and plain PyTorch (benchmarks/gpu/_case.py)."""
+
     def step(x, y):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(x, y)
         loss.backward()
         opt.step()

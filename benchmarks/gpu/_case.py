@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
-from _train_workers import build_model, ds_config, make_batches, peak_rss_bytes  # noqa: E402
+from _train_workers import _plain_step, build_model, ds_config, make_batches, peak_rss_bytes  # noqa: E402
 
 MARK = "@@gpu@@"
 CUDA = torch.cuda.is_available()
@@ -97,15 +97,7 @@ def _adamw(params) -> torch.optim.Optimizer:
 
 
 def _torch_step(model, opt, autocast: bool):
-    def step(x, y):
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    return _plain_step(model, opt, autocast, DEVICE.type)
 
 
 def setup_fsdp2(spec: dict, offload: bool):
