@@ -95,7 +95,8 @@ def count_totals(on: bool = True) -> None:
     """Time every collective for `comms_totals` even while the logger is off (no records, no
     printing): what an engine with `wall_clock_breakdown` asks for, to report its all-gather
     and reduce-scatter milliseconds per step. Each timed collective synchronizes the
-    accelerator around itself, as the timers of `wall_clock_breakdown` do."""
+    accelerator around itself, as the timers of `wall_clock_breakdown` do. `on=False`
+    withdraws one earlier `True`; the timing stops when none is left."""
     comm.comms_logger.count_totals(on)
 
 

@@ -72,8 +72,10 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
             raise TypeError(f"deepspeed.initialize: model must be an nn.Module, got {type(model).__name__}")
         self._config = config if isinstance(config, DeepSpeedConfig) else DeepSpeedConfig(config, mpu=mpu)
         dist.configure(self._config)  # the communication logger: its comms_logger section, if any
-        if self._config.wall_clock_breakdown:
-            dist.count_totals(True)  # the step's all-gather / reduce-scatter ms, for the monitors
+        # The step's all-gather / reduce-scatter ms, for the monitors; withdrawn at destroy().
+        self._times_collectives = bool(self._config.wall_clock_breakdown)
+        if self._times_collectives:
+            dist.count_totals(True)
         if get_accelerator().device_name() == "cpu":
             keep_freed_memory_for_reuse()  # see host_malloc.py's note
         self._check_ranks_agree(model)
@@ -536,6 +538,9 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
             handle.remove()
         self._grad_hooks = []
         self.monitor.close()
+        if self._times_collectives:  # once, however often destroy() is called
+            self._times_collectives = False
+            dist.count_totals(False)
 
     # ================================================================== upstream API surface
     # Small controls clients call on an engine (HF transformers, accelerate, Lightning,

@@ -106,12 +106,14 @@ class CommsLogger:
     someone asked for the per-op totals alone (`count_totals(True)`: an engine with
     `wall_clock_breakdown`, which reports its all-gather and reduce-scatter milliseconds
     per step); then every collective is timed and only `totals` grow, nothing is printed
-    and `log_summary` has no records.
+    and `log_summary` has no records. The requests are counted, so one engine's
+    `destroy()` (its `count_totals(False)`) stops the timing only when no other asks.
     """
 
     def __init__(self) -> None:
         self.enabled = False
-        self.totals_only = False  # count_totals(True) while not enabled
+        self.totals_only = False  # some count_totals(True) is still unmatched
+        self.totals_requests = 0  # count_totals(True) calls less count_totals(False) calls
         self.timing = False  # enabled, totals_only or counting_nodes: the collectives' one check
         self.counting_nodes = False  # deepspeed.comm.node_traffic counts (no timing, no records)
         self.verbose = False
@@ -150,8 +152,15 @@ class CommsLogger:
         self.timing = self.enabled or self.totals_only or self.counting_nodes
 
     def count_totals(self, on: bool) -> None:
-        """Time every collective for `totals` even while the logger is off (see the class doc)."""
-        self.totals_only = bool(on)
+        """Time every collective for `totals` even while the logger is off (see the class doc):
+        `True` adds a request, `False` withdraws one."""
+        if not on and self.totals_requests == 0:
+            raise ValueError(
+                "count_totals(False) without a count_totals(True) still in force; call it once per "
+                "count_totals(True) (an engine with wall_clock_breakdown does both: at initialize, at destroy)"
+            )
+        self.totals_requests += 1 if on else -1
+        self.totals_only = self.totals_requests > 0
         self._retime()
 
     def count_nodes(self, on: bool) -> None:

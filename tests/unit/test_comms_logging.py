@@ -269,3 +269,17 @@ def test_records_totals_and_marks_without_ranks():
     assert (log.enabled, log.prof_all) == (False, False)
     log.reset()
     assert (log.enabled, log.prof_all, log.prof_ops, log.totals) == (False, True, [], {})
+
+
+def test_totals_timing_is_requested_and_withdrawn():
+    """Two engines with wall_clock_breakdown each ask for the totals; one's destroy() must not
+    stop the other's, and the last withdrawal stops the timing every collective pays."""
+    log = comms_logging.CommsLogger()
+    log.count_totals(True)
+    log.count_totals(True)
+    log.count_totals(False)
+    assert log.timing and log.totals_only
+    log.count_totals(False)
+    assert not log.timing and not log.totals_only
+    with pytest.raises(ValueError, match=r"count_totals\(False\) without a count_totals\(True\)"):
+        log.count_totals(False)
