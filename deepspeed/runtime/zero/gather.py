@@ -313,23 +313,54 @@ def _runs(states: list) -> list:
     return runs
 
 
-class _GatherBucket:
+class GatherBucketBase:
+    """What every gather bucket shares (plain, hpZ's secondary, qwZ's quantized): `issue()`
+    starts one collective and marks the states INFLIGHT; `wait()` waits for it once, has the
+    subclass fill the full buffers (`_fill`), installs them and, for a gather from the primary
+    shards under hpZ, keeps the secondary slices ([Note: hpZ, the secondary shard] in hpz.py)."""
+
+    keeps_secondary = True  # False for hpZ's own secondary gather
+
+    def __init__(self, states: list) -> None:
+        self.states = states  # ZeroParamState, sorted by ds_id
+        self._work = None
+        self._expected = ZeroParamStatus.INFLIGHT  # the states' status until wait() installs them
+        self.done = False
+
+    def _issued(self, work: Any, inflight: bool) -> None:
+        """The collective is under way: `inflight=False` (the caller waits at once) skips INFLIGHT."""
+        self._work = work
+        self._expected = ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
+        if inflight:
+            all_to_inflight(self.states, self)
+
+    def _fill(self) -> list:
+        """After the collective: the `_FullBuffer`s holding the states' full tensors."""
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        if self.done:
+            return  # another holder waited on this bucket already
+        self._work.wait()
+        self._work = None  # its tensors would count as holders of the buffers (see _FullPool)
+        _install(self.states, self._fill(), self._expected)
+        if self.keeps_secondary and self.states[0].hpz is not None:
+            all_keep_secondary(self.states)
+        self.done = True
+
+
+class _GatherBucket(GatherBucketBase):
     """One coalesced all-gather for parameters of one (group, dtype); `wait()` installs them."""
 
-    states: list  # ZeroParamState, sorted by ds_id
     flat_out: Optional[torch.Tensor]  # 1D, [world_size * sum(partition_size)], rank-major
-    done: bool
 
     def __init__(self, states: list, layout: tuple = (-1, None)) -> None:
-        self.states = states
+        super().__init__(states)
         self.flat_out = None
-        self._work = None
         self._single: Optional[_FullBuffer] = None  # one parameter: gathered straight into its buffer
         self._filled: Optional[list] = None  # the _FullBuffers a gather that completed on issue filled
         # `_back_to_back(states)`: where their shards end in one flat buffer (-1: not one run) and the run's key.
         self._end, self._key = layout
-        self._expected = ZeroParamStatus.INFLIGHT  # the states' status until wait() installs them
-        self.done = False
 
     def issue(self, device: torch.device, inflight: bool = True) -> None:
         """Start the all-gather. `inflight=False`: the caller waits at once, so states skip INFLIGHT."""
@@ -340,7 +371,7 @@ class _GatherBucket:
             # The output is the parameter's full tensor: no copy out.
             self._single = FULLS.take(states, flat_in.dtype, device, self._key)
             self.flat_out = self._single.flat
-            self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=group, async_op=True)
+            work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=group, async_op=True)
         elif dist.completes_on_issue(group, flat_in):
             # Shared memory: the gather is over when the call returns, so nothing overlaps it
             # and each parameter's columns go straight into its full tensor, with no
@@ -352,13 +383,11 @@ class _GatherBucket:
                 dests = [d for fb in self._filled for d in fb.dests]
                 sizes = [n for fb in self._filled for n in fb.sizes]
             dist.all_gather_into_columns(dests, sizes, flat_in, group=group)
-            self._work = dist.CommHandle()
+            work = dist.CommHandle()
         else:
             self.flat_out = SCRATCH.take(states[0].world_size * flat_in.shape[0], flat_in.dtype, device)
-            self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=group, async_op=True)
-        self._expected = ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
-        if inflight:
-            all_to_inflight(states, self)
+            work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=group, async_op=True)
+        self._issued(work, inflight)
 
     def _full_buffers(self, dtype: torch.dtype, device: torch.device) -> list:
         """One `_FullBuffer` per run of the states (one module's shards), to hold their full tensors."""
@@ -366,11 +395,7 @@ class _GatherBucket:
             return [FULLS.take(self.states, dtype, device, self._key)]
         return [FULLS.take(run, dtype, device) for run in _runs(self.states)]
 
-    def wait(self) -> None:
-        if self.done:
-            return  # another holder waited on this bucket already
-        self._work.wait()
-        self._work = None  # its tensors would count as holders of the buffers (see _FullPool)
+    def _fill(self) -> list:
         if self._single is not None:
             buffers = [self._single]
         elif self._filled is not None:
@@ -379,11 +404,8 @@ class _GatherBucket:
             buffers = self._full_buffers(self.flat_out.dtype, self.flat_out.device)
             _copy_out(self.flat_out, buffers, self.states[0].world_size)
             SCRATCH.give_back(self.flat_out)
-        _install(self.states, buffers, self._expected)
-        if self.states[0].hpz is not None:  # [Note: hpZ, the secondary shard] in hpz.py
-            all_keep_secondary(self.states)
         self.flat_out = None
-        self.done = True
+        return buffers
 
 
 def _install(states: list, buffers: list, expected: ZeroParamStatus) -> None:
@@ -401,30 +423,22 @@ def _install(states: list, buffers: list, expected: ZeroParamStatus) -> None:
     all_to_available(states, fulls, owners, expected)
 
 
-class _SecondaryBucket:
+class _SecondaryBucket(GatherBucketBase):
     """hpZ: one all-gather of the secondary slices of `states` (one dtype) over their secondary
     group, within a node ([Note: hpZ, the secondary shard] in hpz.py); `wait()` installs them."""
 
-    def __init__(self, states: list) -> None:
-        self.states = states
-        self.done = False
-        self._expected = ZeroParamStatus.INFLIGHT
+    keeps_secondary = False  # it gathers from them
 
     def issue(self, device: torch.device, inflight: bool = True) -> None:
         states, hpz = self.states, self.states[0].hpz
         pieces = [s.secondary for s in states]
         flat_in = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(device, non_blocking=True)
         self.flat_out = SCRATCH.take(hpz.size * flat_in.shape[0], flat_in.dtype, device)
-        self._work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=hpz.group, async_op=True)
-        self._expected = ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
-        if inflight:
-            all_to_inflight(states, self)
+        self._issued(
+            dist.all_gather_into_tensor(self.flat_out, flat_in, group=hpz.group, async_op=True), inflight
+        )
 
-    def wait(self) -> None:
-        if self.done:
-            return
-        self._work.wait()
-        self._work = None
+    def _fill(self) -> list:
         states, flat_out = self.states, self.flat_out
         buffers = [FULLS.take(run, flat_out.dtype, flat_out.device) for run in _runs(states)]
         rows = flat_out.view(states[0].hpz.size, -1)
@@ -435,9 +449,8 @@ class _SecondaryBucket:
             full.view(-1).copy_(rows[:, offset : offset + n].reshape(-1)[: s.numel])
             offset += n
         SCRATCH.give_back(flat_out)
-        _install(states, buffers, self._expected)
         self.flat_out = None
-        self.done = True
+        return buffers
 
 
 def _copy_out(flat_out: torch.Tensor, buffers: list, world: int) -> None:

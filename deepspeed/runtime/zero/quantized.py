@@ -55,7 +55,6 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed.runtime.zero import gather
-from deepspeed.runtime.zero.lifecycle import ZeroParamStatus, all_keep_secondary, all_to_inflight
 from deepspeed.utils import groups
 
 BLOCK = 256  # elements per scale
@@ -116,15 +115,13 @@ def _unpack(payload: torch.Tensor, n: int) -> torch.Tensor:
     return dequantize_rows(codes, scales, n)
 
 
-class QuantizedGatherBucket:
+class QuantizedGatherBucket(gather.GatherBucketBase):
     """qwZ: one int8 all-gather for parameters of one (group, dtype), the drop-in for
     gather's `_GatherBucket` (`fetch_states` builds it when the states carry `qwz`)."""
 
     def __init__(self, states: list, layout: tuple = (-1, None)) -> None:
-        self.states = states
+        super().__init__(states)
         self._end = layout[0]
-        self._expected = ZeroParamStatus.INFLIGHT
-        self.done = False
 
     def _payload(self, device: torch.device) -> torch.Tensor:
         states = self.states
@@ -144,24 +141,16 @@ class QuantizedGatherBucket:
         payload = self._payload(device)
         world = states[0].world_size
         self._out = torch.empty(world * payload.numel(), dtype=torch.int8, device=device)
-        self._work = dist.all_gather_into_tensor(self._out, payload, group=states[0].group, async_op=True)
-        self._expected = ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
-        if inflight:
-            all_to_inflight(states, self)
+        self._issued(
+            dist.all_gather_into_tensor(self._out, payload, group=states[0].group, async_op=True), inflight
+        )
 
-    def wait(self) -> None:
-        if self.done:
-            return
-        self._work.wait()
-        self._work = None
+    def _fill(self) -> list:
         states, world = self.states, self.states[0].world_size
         buffers = [gather.FULLS.take(run, self._dtype, self._out.device) for run in gather._runs(states)]
         _dequantize_into(self._out, states, world, [d for fb in buffers for d in fb.dests])
         self._out = None
-        gather._install(states, buffers, self._expected)
-        if states[0].hpz is not None:
-            all_keep_secondary(states)
-        self.done = True
+        return buffers
 
     @staticmethod
     def refresh(states: list) -> None:
