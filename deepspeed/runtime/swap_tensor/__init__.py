@@ -1,5 +1,5 @@
-"""Tensor swapping to NVMe (ZeRO-Infinity): not built in this package; the async I/O engine it
-would use is (`deepspeed.ops.aio`, docs/nvme.md).
+"""Tensor swapping to NVMe (ZeRO-Infinity): scratch files and staging buffers (`swap_store`),
+on the async I/O engine `deepspeed.ops.aio` (docs/nvme.md).
 
 `MIN_SWAPPABLE_BYTES` is kept because callers size models by it: upstream swaps only tensors
 of at least this many bytes (1 MiB) and keeps smaller ones in memory.

@@ -1,0 +1,268 @@
+"""Scratch files on NVMe holding tensors, for ZeRO-Infinity's parameter and optimizer swapping.
+
+`SwapStore` is the one place that touches swap files: it owns a private folder under
+`nvme_path`, reserves each tensor's file up front with `posix_fallocate` (so a full disk is an
+error at set-up naming the path and the bytes, never a failure half-way through a step), and
+moves bytes through two `deepspeed.ops.aio` handles, one for reads and one for writes, so a
+read of the next group can run while the previous one is written back. `PinnedBufferPool` is a
+bounded set of page-aligned host buffers the I/O goes through (`O_DIRECT` needs the
+alignment), so staging memory is fixed by `buffer_count` x `buffer_size` whatever the model.
+
+Swap files are scratch: they are never part of a checkpoint, and the folder is removed when the
+store is closed or the process exits normally. A folder left by a killed process is named
+after its host and pid; `SwapStore` removes such folders of dead processes on this host when
+it starts, and never touches a live one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import shutil
+import socket
+import uuid
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["AioSettings", "PinnedBufferPool", "SwapSpaceError", "SwapStore"]
+
+# Direct I/O needs the buffer, the byte count and the file offset on this boundary; files are
+# reserved in multiples of it so every whole-file transfer of a pool buffer can go direct.
+_ALIGN = 4096
+_SWAP_DIR = "zero_swap"
+
+
+class SwapSpaceError(OSError):
+    """The disk under `nvme_path` lacks room for the swap files (or a write ran out of it)."""
+
+
+@dataclass(frozen=True)
+class AioSettings:
+    """The `aio` config block, as the handles take it (upstream's keys and defaults)."""
+
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    thread_count: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+    @classmethod
+    def from_block(cls, block: Optional[dict]) -> AioSettings:
+        block = dict(block or {})
+        # `intra_op_parallelism` is upstream's newer name for `thread_count`; either may be set.
+        threads = block.pop("intra_op_parallelism", None)
+        threads = block.pop("thread_count", threads if threads is not None else 1)
+        block.pop("use_gds", None)  # refused by the config when true; False changes nothing
+        return cls(thread_count=int(threads), **block)
+
+    def handle(self):
+        from deepspeed.ops.aio import AsyncIOBuilder
+
+        aio = AsyncIOBuilder().load()
+        return aio.aio_handle(
+            self.block_size, self.queue_depth, self.single_submit, self.overlap_events, self.thread_count
+        )
+
+
+def _round_up(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _remove_dead_folders(root: Path) -> None:
+    """Remove swap folders this host's killed processes left behind (named host-pid-token)."""
+    host = socket.gethostname()
+    for folder in root.glob(f"{host}-*-*"):
+        try:
+            pid = int(folder.name[len(host) + 1 :].split("-", 1)[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
+class SwapStore:
+    """Tensors by key in preallocated files under ``<nvme_path>/zero_swap/<host>-<pid>-<token>/<name>``.
+
+    `reserve(key, nbytes)` creates a key's file at its full (4096-rounded) size; `write` /
+    `read` move a contiguous CPU tensor of at most that size, synchronously or queued
+    (`async_op=True`) until `wait_writes()` / `wait_reads()`. A write must not be changed and
+    a read's buffer not used before the matching wait.
+    """
+
+    def __init__(self, nvme_path, name: str, aio: AioSettings = AioSettings()):
+        root = Path(nvme_path)
+        if not root.is_dir():
+            raise FileNotFoundError(
+                f"nvme_path {str(root)!r} is not an existing directory; create it or point "
+                "nvme_path at a folder on the drive to swap to"
+            )
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(f"nvme_path {str(root)!r} is not writable by this process")
+        (root / _SWAP_DIR).mkdir(exist_ok=True)
+        _remove_dead_folders(root / _SWAP_DIR)
+        self.folder = root / _SWAP_DIR / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}" / name
+        self.folder.mkdir(parents=True)
+        self._reads = aio.handle()
+        self._writes = aio.handle()
+        self._capacity: dict[str, int] = {}
+        self._pending_reads = 0
+        self._pending_writes = 0
+        # Remove the folder at close() or, failing that, when the interpreter exits.
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder.parent, True)
+        atexit.register(self._finalizer)
+
+    # ---- files --------------------------------------------------------------------------
+    def path(self, key: str) -> str:
+        return str(self.folder / f"{key}.swp")
+
+    def reserve(self, key: str, nbytes: int) -> None:
+        """Create `key`'s file with room for `nbytes`; raise SwapSpaceError if the disk lacks it."""
+        if key in self._capacity:
+            raise KeyError(f"swap key {key!r} is already reserved in {self.folder}")
+        size = _round_up(max(nbytes, 1))
+        free = shutil.disk_usage(self.folder).free
+        if size > free:
+            raise self._space_error(size, free)
+        fd = os.open(self.path(key), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise self._space_error(size, shutil.disk_usage(self.folder).free) from e
+            raise
+        finally:
+            os.close(fd)
+        self._capacity[key] = size
+
+    def reserved_bytes(self) -> int:
+        return sum(self._capacity.values())
+
+    def _space_error(self, needed: int, free: int) -> SwapSpaceError:
+        return SwapSpaceError(
+            errno.ENOSPC,
+            f"NVMe swap needs {needed} more bytes under {str(self.folder)!r} but the disk has {free} "
+            f"free (this store holds {self.reserved_bytes()} bytes already); free space there or "
+            "point nvme_path at a larger drive",
+        )
+
+    def _check(self, key: str, tensor: torch.Tensor) -> None:
+        if key not in self._capacity:
+            raise KeyError(f"swap key {key!r} was never reserved in {self.folder}; call reserve() first")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self._capacity[key]:
+            raise ValueError(f"{nbytes} bytes do not fit swap key {key!r} ({self._capacity[key]} reserved)")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(
+                "swap I/O needs a contiguous CPU tensor (stage through a PinnedBufferPool buffer)"
+            )
+
+    # ---- transfers ----------------------------------------------------------------------
+    def write(self, key: str, tensor: torch.Tensor, async_op: bool = False) -> None:
+        self._check(key, tensor)
+        if async_op:
+            self._writes.async_pwrite(tensor, self.path(key))
+            self._pending_writes += 1
+        else:
+            self._guard_space(lambda: self._writes.sync_pwrite(tensor, self.path(key)))
+
+    def read(self, key: str, tensor: torch.Tensor, async_op: bool = False) -> None:
+        self._check(key, tensor)
+        if async_op:
+            self._reads.async_pread(tensor, self.path(key))
+            self._pending_reads += 1
+        else:
+            self._reads.sync_pread(tensor, self.path(key))
+
+    def wait_writes(self) -> int:
+        done, self._pending_writes = self._pending_writes, 0
+        if done:
+            self._guard_space(self._writes.wait)
+        return done
+
+    def wait_reads(self) -> int:
+        done, self._pending_reads = self._pending_reads, 0
+        if done:
+            self._reads.wait()
+        return done
+
+    def _guard_space(self, call) -> None:
+        # Files are preallocated, so ENOSPC here means the file system could not honour that
+        # (a thin-provisioned or copy-on-write volume); say so with the path rather than errno.
+        try:
+            call()
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise self._space_error(0, shutil.disk_usage(self.folder).free) from e
+            raise
+
+    def close(self) -> None:
+        """Wait for queued I/O, then remove this store's folder (its files are scratch)."""
+        try:
+            self.wait_reads()
+            self.wait_writes()
+        finally:
+            self._finalizer()
+            atexit.unregister(self._finalizer)
+
+
+class PinnedBufferPool:
+    """`count` page-aligned host buffers of `nbytes` each, handed out and given back by index.
+
+    The buffers are the aio handle's locked tensors, so whole-buffer transfers can use
+    O_DIRECT. `acquire()` raises when every buffer is out: the caller must `release()` one
+    (after the I/O through it is waited for) rather than block, since nothing else runs.
+    """
+
+    def __init__(self, count: int, nbytes: int, aio: AioSettings = AioSettings()):
+        if count < 1 or nbytes < 1:
+            raise ValueError(
+                f"a buffer pool needs buffer_count >= 1 and buffer_size >= 1, got {count} x {nbytes}"
+            )
+        handle = aio.handle()
+        size = _round_up(nbytes)
+        self.nbytes = size
+        self._buffers = [
+            handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8)) for _ in range(count)
+        ]
+        self._free = list(range(count - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def acquire(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """(index, whole buffer) of a free buffer that holds `nbytes`; view it with `as_tensor`."""
+        if nbytes > self.nbytes:
+            raise ValueError(
+                f"a tensor of {nbytes} bytes does not fit one swap buffer of {self.nbytes} bytes; raise buffer_size"
+            )
+        if not self._free:
+            raise RuntimeError(
+                f"all {len(self._buffers)} swap buffers are in use; raise buffer_count or release one first"
+            )
+        index = self._free.pop()
+        return index, self._buffers[index]
+
+    def release(self, index: int) -> None:
+        if index in self._free or not 0 <= index < len(self._buffers):
+            raise ValueError(f"swap buffer {index} is not out of the pool")
+        self._free.append(index)
+
+    @staticmethod
+    def as_tensor(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first `numel` elements of `buffer` seen as `dtype` (shares its memory)."""
+        typed = buffer.view(dtype)  # buffers are 4096-byte multiples: every dtype divides them
+        if numel > typed.numel():
+            raise ValueError(
+                f"{numel} elements of {dtype} do not fit a swap buffer of {buffer.numel()} bytes"
+            )
+        return typed[:numel]
