@@ -22,10 +22,10 @@ class AsyncIOBuilder(OpBuilder):
         return f"deepspeed.ops.aio.{self.NAME}_op"
 
     def sources(self) -> list[str]:
-        return ["aio/aio_engine.cpp", "aio/py_aio.cpp"]
+        return ["aio/aio_engine.cpp", "aio/aio_uring.cpp", "aio/py_aio.cpp"]
 
     def headers(self) -> list[str]:
-        return ["aio/aio_engine.h"]
+        return ["aio/aio_engine.h", "aio/aio_uring.h"]
 
     def cxx_args(self) -> list[str]:
         return ["-O2", "-pthread"]  # I/O bound: no vector or fp flags needed
