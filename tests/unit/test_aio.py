@@ -66,7 +66,9 @@ def test_handle_reports_its_settings(aio, backend):
     d = aio.aio_handle()  # upstream's defaults; the backend the module chose at import
     assert (d.get_block_size(), d.get_queue_depth(), d.get_thread_count()) == (1 << 20, 128, 1)
     assert d.get_backend() == aio.backend
-    assert aio.aio_handle(intra_op_parallelism=2, backend=backend).get_thread_count() == 2  # upstream's newer name
+    assert (
+        aio.aio_handle(intra_op_parallelism=2, backend=backend).get_thread_count() == 2
+    )  # upstream's newer name
     with pytest.raises(ValueError, match="thread_count must be > 0, got 0"):
         aio.aio_handle(BLOCK, 4, False, False, 0, backend=backend)
 
@@ -188,9 +190,7 @@ def test_large_file_many_chunks_small_queue_depth(aio, backend, tmp_path, thread
 
 @pytest.mark.parametrize("single_submit", [False, True])
 @pytest.mark.parametrize("overlap_events", [False, True])
-def test_single_submit_and_overlap_events_shape_the_submissions(
-    aio, tmp_path, single_submit, overlap_events
-):
+def test_single_submit_and_overlap_events_shape_the_submissions(aio, tmp_path, single_submit, overlap_events):
     """io_uring: single_submit hands each request over in its own io_uring_enter; otherwise a
     batch goes in one call; without overlap_events a batch of queue_depth requests completes
     before the next is submitted (so 64 chunks at depth 4 take exactly 16 calls)."""
@@ -280,7 +280,10 @@ def test_errors_during_the_transfer_name_the_path_offset_and_errno(aio, backend,
     folder.mkdir()
     e = _failure(h, h.sync_pread, torch.empty(100, dtype=torch.uint8), str(folder), 8)
     assert isinstance(e, aio.AsyncIOError) and e.errno == errno.EISDIR
-    assert f"reading 100 bytes from '{folder}' at file offset 8: failed at byte 0 of 100 (file offset 8)" in str(e)
+    assert (
+        f"reading 100 bytes from '{folder}' at file offset 8: failed at byte 0 of 100 (file offset 8)"
+        in str(e)
+    )
     not_a_dir = tmp_path / "plain.bin"
     not_a_dir.write_bytes(b"x")
     e = _failure(h, h.sync_pwrite, torch.zeros(10, dtype=torch.uint8), str(not_a_dir / "x.bin"))
@@ -397,7 +400,11 @@ def test_blocked_io_uring_falls_back_to_the_thread_pool_with_one_warning(aio, tm
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     env.pop("DS_AIO_BACKEND", None)
     proc = subprocess.run(
-        [sys.executable, "-c", SECCOMP_CHILD, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", SECCOMP_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     if "SECCOMP-UNAVAILABLE" in proc.stdout:
@@ -411,4 +418,7 @@ def test_blocked_io_uring_falls_back_to_the_thread_pool_with_one_warning(aio, tm
     assert "DS_AIO_BACKEND=thread_pool" in message
     assert lines["BACKEND"].startswith("thread_pool thread_pool | auto fell back to the thread pool")
     assert lines["ROUNDTRIP"] == "True"
-    assert "backend 'io_uring' was asked for but io_uring_setup failed: Operation not permitted" in lines["FORCED"]
+    assert (
+        "backend 'io_uring' was asked for but io_uring_setup failed: Operation not permitted"
+        in lines["FORCED"]
+    )
