@@ -203,11 +203,11 @@ void Engine::pool_loop(Lane& lane) {
   }
 }
 
-bool Engine::take_runs(Lane& lane, std::deque<Run>* into, bool idle) {
+bool Engine::take_runs(Lane& lane, std::deque<Run>* into, bool idle, size_t most) {
   std::unique_lock<std::mutex> lock(lane.mutex);
   if (idle) lane.has_work.wait(lock, [&] { return stopping_ || !lane.queue.empty(); });
   if (lane.queue.empty()) return !(idle && stopping_);
-  while (!lane.queue.empty()) {
+  for (; most > 0 && !lane.queue.empty(); --most) {
     into->push_back(std::move(lane.queue.front()));
     lane.queue.pop_front();
   }

@@ -27,8 +27,10 @@
 //
 // [Note: queue_depth]
 // Each lane's queue holds at most `queue_depth` chunk runs; a submit that finds a queue full
-// waits for room (back-pressure instead of unbounded memory). io_uring lanes also cap the
-// requests they have in flight at queue_depth (and at the ring's size, at most kMaxRingEntries).
+// waits for room (back-pressure instead of unbounded memory). An io_uring lane takes runs off
+// its queue only while it works on fewer than queue_depth, and caps the requests it has in
+// flight at queue_depth (and at the ring's size, at most kMaxRingEntries). A lane blocked
+// waiting for a completion sees newly queued runs at the next completion.
 //
 // [Note: errors]
 // What the caller can get wrong (a missing file, a file shorter than the read) throws at
@@ -161,9 +163,9 @@ class Engine {
   void choose_backend();
   void pool_loop(Lane& lane);
   void uring_loop(Lane& lane);  // aio_uring.cpp
-  // io_uring lanes: takes every queued run without blocking; blocks only when `idle`.
-  // Returns false when the engine is stopping and nothing is left.
-  bool take_runs(Lane& lane, std::deque<Run>* into, bool idle);
+  // io_uring lanes: takes up to `most` queued runs; blocks for one only when `idle`. Returns
+  // false when the engine is stopping and nothing is left.
+  bool take_runs(Lane& lane, std::deque<Run>* into, bool idle, size_t most);
   void run_chunks(const Run& run);
   void open_file(Op& op);
   std::vector<Run> split(const std::shared_ptr<Op>& op) const;

@@ -144,7 +144,7 @@ class UringLane {
  public:
   UringLane(Engine& engine, Engine::Lane& lane)
       : engine_(engine), lane_(lane), ring_(*lane.ring), overlap_(engine.options.overlap_events),
-        single_submit_(engine.options.single_submit) {
+        single_submit_(engine.options.single_submit), max_runs_(static_cast<size_t>(engine.queue_depth)) {
     const unsigned n = std::min<unsigned>(static_cast<unsigned>(engine.queue_depth), ring_.capacity());
     slots_.resize(n);
     for (unsigned i = 0; i < n; ++i) free_.push_back(n - 1 - i);
@@ -154,7 +154,8 @@ class UringLane {
     std::deque<Run> incoming;
     for (;;) {
       const bool idle = active_.empty() && busy() == 0;
-      if (!engine_.take_runs(lane_, &incoming, idle)) return;
+      const size_t room = active_.size() < max_runs_ ? max_runs_ - active_.size() : 0;
+      if ((idle || room > 0) && !engine_.take_runs(lane_, &incoming, idle, std::max<size_t>(room, 1))) return;
       for (Run& r : incoming) active_.push_back(ActiveRun{r, r.begin});
       incoming.clear();
       // overlap_events: top the ring up after every reap; otherwise start a batch only once
@@ -222,6 +223,10 @@ class UringLane {
       const int ret = enter(to_submit, min_complete);
       // The kernel skips the wait when it takes fewer requests than offered: offer the rest.
       if (ret >= 0 && static_cast<unsigned>(ret) < to_submit) continue;
+      // Refused for now (EAGAIN / EBUSY): wait for one of the requests it holds, if any, rather
+      // than spin; the caller reaps and offers the rest again.
+      const unsigned held = busy() - ring_.unsubmitted();
+      if (ret < 0 && held > 0) enter(0, 1);
       return;
     }
   }
@@ -275,6 +280,7 @@ class UringLane {
   Ring& ring_;
   const bool overlap_;
   const bool single_submit_;
+  const size_t max_runs_;  // runs worked on at once (see [Note: queue_depth])
   std::list<ActiveRun> active_;  // runs in arrival order; a list, so slots' iterators stay valid
   std::vector<Slot> slots_;
   std::vector<unsigned> free_;

@@ -97,6 +97,10 @@ def test_async_io_backend_note_says_how_the_backend_was_chosen(monkeypatch):
     op = ALL_OPS["async_io"]
     monkeypatch.setenv("DS_AIO_BACKEND", "thread_pool")
     assert op.backend_note() == "thread_pool: set by DS_AIO_BACKEND=thread_pool"
+    monkeypatch.setenv("DS_AIO_BACKEND", "io_uring")
+    usable = probe_io_uring() == ""
+    assert op.backend_note().startswith("io_uring: set by DS_AIO_BACKEND=io_uring")
+    assert ("handles raise" in op.backend_note()) is not usable
     monkeypatch.setenv("DS_AIO_BACKEND", "libaio")
     assert "libaio: invalid (choose from auto, io_uring, thread_pool)" in op.backend_note()
     monkeypatch.delenv("DS_AIO_BACKEND")

@@ -62,17 +62,24 @@ class AsyncIOBuilder(OpBuilder):
     def extra_ldflags(self) -> list[str]:
         return ["-pthread"]
 
+    def _io_uring_reason(self) -> tuple[str, str]:
+        """Why io_uring is not usable here ("" when it is), and which probe said so."""
+        if self.is_built():  # loading a built op is cheap; its probe is the one handles use
+            return self.load().io_uring_unavailable_reason, "the op's probe"
+        return probe_io_uring(), "probed from Python; the op is not built yet"
+
     def backend_note(self) -> str:
         """Which backend a handle with no `backend=` gets here, and why (one line for ds_report)."""
         forced = os.environ.get(BACKEND_ENV) or "auto"
-        if forced != "auto":
-            valid = forced in BACKENDS
-            why = "set by" if valid else f"invalid (choose from {', '.join(BACKENDS)}) in"
-            return f"{forced}: {why} {BACKEND_ENV}={forced}"
-        if self.is_built():  # loading a built op is cheap; its probe is the one handles use
-            reason, source = self.load().io_uring_unavailable_reason, "the op's probe"
-        else:
-            reason, source = probe_io_uring(), "probed from Python; the op is not built yet"
+        if forced not in BACKENDS:
+            return f"{forced}: invalid (choose from {', '.join(BACKENDS)}) in {BACKEND_ENV}={forced}"
+        if forced == "thread_pool":
+            return f"thread_pool: set by {BACKEND_ENV}=thread_pool"
+        reason, source = self._io_uring_reason()
+        if forced == "io_uring":
+            if reason:
+                return f"io_uring: set by {BACKEND_ENV}=io_uring, but not usable here ({reason}; {source}): handles raise"
+            return f"io_uring: set by {BACKEND_ENV}=io_uring ({source}: a ring sets up here)"
         if not reason:
             return (
                 f"io_uring: a ring sets up here ({source}); {BACKEND_ENV}=thread_pool forces the thread pool"
