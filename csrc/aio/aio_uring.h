@@ -18,6 +18,9 @@
 #if defined(__linux__) && __has_include(<linux/io_uring.h>)
 #include <linux/io_uring.h>
 #define DS_AIO_HAVE_IO_URING 1
+#ifndef IORING_FEAT_SINGLE_MMAP  // headers of Linux 5.1-5.3 predate it; the kernel then never sets it
+#define IORING_FEAT_SINGLE_MMAP (1U << 0)
+#endif
 #else
 #define DS_AIO_HAVE_IO_URING 0
 #endif

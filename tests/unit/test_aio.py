@@ -413,7 +413,9 @@ def test_blocked_io_uring_falls_back_to_the_thread_pool_with_one_warning(aio, tm
     lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in proc.stdout.splitlines() if " " in line}
     assert lines["REASON"].startswith("io_uring_setup failed: Operation not permitted (errno 1)"), proc.stdout
     assert "seccomp" in lines["REASON"] and lines["MODULE"] == "thread_pool"
-    assert lines["NOTE"].startswith("thread_pool: io_uring is not usable (io_uring_setup failed: Operation not")
+    assert lines["NOTE"].startswith(
+        "thread_pool: io_uring is not usable (io_uring_setup failed: Operation not"
+    )
     count, message = lines["WARNINGS"].split(" ", 1)
     assert count == "1", proc.stdout  # one warning per process, not per handle
     assert "io_uring is not usable here (io_uring_setup failed: Operation not permitted" in message
