@@ -1,5 +1,5 @@
 """Every benchmark in one go: train step, gather, init memory, scaling, CPU Adam, rank agreement, GPT-2 small,
-sequence parallelism, multi-node ZeRO (hierarchical).
+sequence parallelism, multi-node ZeRO (hierarchical), async I/O bandwidth.
 
     python benchmarks/run_all.py                       # ~20 min on 2 shared cores (make bench)
     python benchmarks/run_all.py --quick --skip-upstream --out-dir /tmp/r   # a ~2.5 min smoke run
@@ -29,6 +29,9 @@ Sections (each reuses the functions of the script named, nothing is re-implement
   hierarchical  bench_hierarchical.py: 4 ranks as 2 nodes x 2, plain ZeRO-3 / MiCS / hpZ /
               hpZ+qwZ+qgZ: one step's cross-node and within-node bytes (summed over ranks) and
               the median step time, each over plain ZeRO-3's
+  aio         bench_aio.py: deepspeed.ops.aio's read and write bandwidth (io_uring and thread-pool
+              backends) on a 512 MiB file against dd with O_DIRECT on the same file size and
+              folder; headline: engine / dd for the backend a default handle gets here
 
 Writes `<out-dir>/latest.json`, `latest.md` (the headline tables, also printed) and
 `latest.png` (when matplotlib is installed). `--skip-upstream` reports upstream as null.
@@ -52,6 +55,7 @@ sys.path.insert(0, str(HERE))
 import _launch  # noqa: E402 - the benchmarks folder is not a package
 import _report  # noqa: E402
 import bench_agreement  # noqa: E402
+import bench_aio  # noqa: E402
 import bench_cpu_adam  # noqa: E402
 import bench_gather  # noqa: E402
 import bench_gpt2_small  # noqa: E402
@@ -457,6 +461,17 @@ def run_hierarchical(opts) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- async I/O
+
+
+def run_aio(opts) -> dict:
+    """bench_aio.py: engine read/write bandwidth per backend over dd's with O_DIRECT (--quick: 16 MiB)."""
+    began = _section("aio: deepspeed.ops.aio bandwidth per backend against dd with O_DIRECT")
+    out = bench_aio.run(bench_aio.parse_args(["--quick"] if opts.quick else []))
+    out["wall_s"] = round(time.monotonic() - began, 1)
+    return out
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -491,7 +506,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--upstream-python", type=Path, default=bench_train_step.UPSTREAM_PYTHON)
     parser.add_argument(
         "--only",
-        default="train_step,gather,init,scaling,cpu_adam,agreement,gpt2_small,sequence_parallel,hierarchical",
+        default="train_step,gather,init,scaling,cpu_adam,agreement,gpt2_small,sequence_parallel,hierarchical,aio",
         help="comma list of sections to run (others null, or kept with --update)",
     )
     parser.add_argument(
@@ -518,6 +533,7 @@ def main(argv=None) -> int:
         "gpt2_small": lambda tmp: run_gpt2_small(opts, tmp),
         "sequence_parallel": lambda tmp: run_sequence_parallel(opts),
         "hierarchical": lambda tmp: run_hierarchical(opts),
+        "aio": lambda tmp: run_aio(opts),
     }
     only = {name for name in opts.only.split(",") if name}
     unknown = sorted(only - set(runners))

@@ -1,4 +1,5 @@
-// The thread-pool backend of the async I/O engine; see aio_engine.h for the design notes.
+// The engine's shared parts and its thread-pool backend; see aio_engine.h for the design notes
+// and aio_uring.cpp for the io_uring backend.
 
 #include "aio_engine.h"
 
@@ -10,6 +11,8 @@
 #include <cerrno>
 #include <cstring>
 #include <sstream>
+
+#include "aio_uring.h"
 
 namespace ds_aio {
 
@@ -26,20 +29,55 @@ bool aligned(int64_t value) { return value % kDirectAlign == 0; }
 
 }  // namespace
 
+const char* backend_name(Backend b) { return b == Backend::kIoUring ? "io_uring" : "thread_pool"; }
+
 Op::~Op() {
   if (fd >= 0) ::close(fd);
 }
 
-Engine::Engine(int64_t block_size_, int queue_depth_, int thread_count_)
-    : block_size(block_size_), queue_depth(queue_depth_), thread_count(thread_count_) {
+Engine::Engine(const EngineOptions& opts)
+    : options(opts), block_size(opts.block_size), queue_depth(opts.queue_depth), thread_count(opts.thread_count) {
   if (block_size <= 0) throw std::invalid_argument("aio_handle: block_size must be > 0, got " + std::to_string(block_size));
   if (queue_depth <= 0) throw std::invalid_argument("aio_handle: queue_depth must be > 0, got " + std::to_string(queue_depth));
   if (thread_count <= 0) throw std::invalid_argument("aio_handle: thread_count must be > 0, got " + std::to_string(thread_count));
-  for (int i = 0; i < thread_count; ++i) workers_.push_back(std::make_unique<Worker>());
-  for (auto& w : workers_) {
-    Worker* raw = w.get();
-    w->thread = std::thread([this, raw] { worker_loop(*raw); });
+  for (int i = 0; i < thread_count; ++i) lanes_.push_back(std::make_unique<Lane>());
+  choose_backend();
+  for (auto& lane : lanes_) {
+    Lane* raw = lane.get();
+    if (backend_ == Backend::kIoUring) {
+      lane->thread = std::thread([this, raw] { uring_loop(*raw); });
+    } else {
+      lane->thread = std::thread([this, raw] { pool_loop(*raw); });
+    }
   }
+}
+
+void Engine::choose_backend() {
+  const std::string& want = options.backend;
+  if (want == "thread_pool") return;
+  if (want != "auto" && want != "io_uring") {
+    throw std::invalid_argument("aio_handle: backend must be 'auto', 'io_uring' or 'thread_pool', got '" + want +
+                                "' (from the backend= argument or DS_AIO_BACKEND)");
+  }
+  // A ring per lane, sized for the lane's requests in flight; any failure (no io_uring in this
+  // kernel or header, a seccomp filter, a memory limit) is the reason to fall back.
+  std::string why = kIoUringCompiledIn ? "" : "this build had no <linux/io_uring.h>";
+  const unsigned entries = static_cast<unsigned>(std::min<int64_t>(queue_depth, kMaxRingEntries));
+  for (auto& lane : lanes_) {
+    if (!why.empty()) break;
+    try {
+      lane->ring = std::make_unique<Ring>(entries);
+    } catch (const RingUnavailable& e) {
+      why = e.what();
+    }
+  }
+  if (why.empty()) {
+    backend_ = Backend::kIoUring;
+    return;
+  }
+  for (auto& lane : lanes_) lane->ring.reset();
+  if (want == "io_uring") throw IOError("aio_handle: backend 'io_uring' was asked for but " + why, ENOSYS);
+  fallback_reason_ = why;
 }
 
 Engine::~Engine() {
@@ -47,12 +85,12 @@ Engine::~Engine() {
     std::unique_lock<std::mutex> lock(done_mutex_);
     all_done_.wait(lock, [this] { return in_flight_ == 0; });
   }
-  for (auto& w : workers_) {
-    std::lock_guard<std::mutex> lock(w->mutex);
+  for (auto& lane : lanes_) {
+    std::lock_guard<std::mutex> lock(lane->mutex);
     stopping_ = true;
-    w->has_work.notify_all();
+    lane->has_work.notify_all();
   }
-  for (auto& w : workers_) w->thread.join();
+  for (auto& lane : lanes_) lane->thread.join();
 }
 
 void Engine::open_file(Op& op) {
@@ -88,6 +126,37 @@ std::vector<Run> Engine::split(const std::shared_ptr<Op>& op) const {
   return runs;
 }
 
+int64_t Engine::chunk_end(int64_t pos, int64_t run_end) const { return std::min(run_end, pos + block_size); }
+
+int64_t Engine::request_bytes(const Op& op, int64_t pos, int64_t end) const {
+  const int64_t want = end - pos;
+  if (!options.split_transfers) return want;
+  // Half the rest, kept a multiple of 4096 under O_DIRECT; the last piece is asked for whole.
+  const int64_t half = op.direct ? want / 2 / kDirectAlign * kDirectAlign : want / 2;
+  return half > 0 ? half : want;
+}
+
+Step Engine::account(Op& op, int64_t& pos, int64_t end, int64_t res) {
+  if (res == -EINTR || res == -EAGAIN) return Step::kMore;  // nothing moved; ask again
+  if (res > 0) {
+    pos += res;
+    if (pos >= end) return Step::kDone;
+    short_transfers_.fetch_add(1, std::memory_order_relaxed);
+    return Step::kMore;  // a short transfer is resumed where it stopped
+  }
+  // Zero bytes: a read met the end of the file; a write that moves nothing means a full disk.
+  const int e = res < 0 ? static_cast<int>(-res) : (op.read ? 0 : ENOSPC);
+  std::ostringstream s;
+  s << describe(op) << ": failed at byte " << pos << " of " << op.nbytes << " (file offset " << op.offset + pos
+    << "): " << (res == 0 && op.read ? "unexpected end of file" : std::strerror(e));
+  std::lock_guard<std::mutex> lock(op.error_mutex);
+  if (op.error.empty()) {
+    op.error = s.str();
+    op.error_errno = e;
+  }
+  return Step::kFailed;
+}
+
 void Engine::submit(bool read, const std::string& path, char* buffer, int64_t nbytes, int64_t offset,
                     std::shared_ptr<void> owner) {
   auto op = std::make_shared<Op>();
@@ -110,51 +179,56 @@ void Engine::submit(bool read, const std::string& path, char* buffer, int64_t nb
     return;
   }
   for (size_t i = 0; i < runs.size(); ++i) {
-    Worker& w = *workers_[i];
-    std::unique_lock<std::mutex> lock(w.mutex);
-    w.has_room.wait(lock, [&] { return static_cast<int>(w.queue.size()) < queue_depth; });
-    w.queue.push_back(std::move(runs[i]));
-    w.has_work.notify_one();
+    Lane& lane = *lanes_[i];
+    std::unique_lock<std::mutex> lock(lane.mutex);
+    lane.has_room.wait(lock, [&] { return static_cast<int>(lane.queue.size()) < queue_depth; });
+    lane.queue.push_back(std::move(runs[i]));
+    lane.has_work.notify_one();
   }
 }
 
-void Engine::worker_loop(Worker& w) {
+void Engine::pool_loop(Lane& lane) {
   for (;;) {
     Run run;
     {
-      std::unique_lock<std::mutex> lock(w.mutex);
-      w.has_work.wait(lock, [&] { return stopping_ || !w.queue.empty(); });
-      if (w.queue.empty()) return;  // stopping, and nothing left
-      run = std::move(w.queue.front());
-      w.queue.pop_front();
-      w.has_room.notify_one();
+      std::unique_lock<std::mutex> lock(lane.mutex);
+      lane.has_work.wait(lock, [&] { return stopping_ || !lane.queue.empty(); });
+      if (lane.queue.empty()) return;  // stopping, and nothing left
+      run = std::move(lane.queue.front());
+      lane.queue.pop_front();
+      lane.has_room.notify_one();
     }
     run_chunks(run);
     finish_run(run.op);
   }
 }
 
+bool Engine::take_runs(Lane& lane, std::deque<Run>* into, bool idle, size_t most) {
+  std::unique_lock<std::mutex> lock(lane.mutex);
+  if (idle) lane.has_work.wait(lock, [&] { return stopping_ || !lane.queue.empty(); });
+  if (lane.queue.empty()) return !(idle && stopping_);
+  for (; most > 0 && !lane.queue.empty(); --most) {
+    into->push_back(std::move(lane.queue.front()));
+    lane.queue.pop_front();
+  }
+  lane.has_room.notify_all();
+  return true;
+}
+
 void Engine::run_chunks(const Run& run) {
   Op& op = *run.op;
-  int64_t pos = run.begin;
-  while (pos < run.end) {
-    const int64_t want = std::min(block_size, run.end - pos);
-    const ssize_t got = op.read ? ::pread(op.fd, op.buffer + pos, want, op.offset + pos)
-                                : ::pwrite(op.fd, op.buffer + pos, want, op.offset + pos);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) {
-      const int e = got < 0 ? errno : (op.read ? 0 : ENOSPC);
-      std::ostringstream s;
-      s << describe(op) << ": failed at byte " << pos << " of " << op.nbytes << " (file offset " << op.offset + pos
-        << "): " << (got == 0 && op.read ? "unexpected end of file" : std::strerror(e));
-      std::lock_guard<std::mutex> lock(op.error_mutex);
-      if (op.error.empty()) {
-        op.error = s.str();
-        op.error_errno = e;
-      }
-      return;
+  for (int64_t chunk = run.begin; chunk < run.end;) {
+    const int64_t end = chunk_end(chunk, run.end);
+    int64_t pos = chunk;
+    Step step = Step::kMore;
+    while (step == Step::kMore) {
+      const int64_t want = request_bytes(op, pos, end);
+      const ssize_t got = op.read ? ::pread(op.fd, op.buffer + pos, want, op.offset + pos)
+                                  : ::pwrite(op.fd, op.buffer + pos, want, op.offset + pos);
+      step = account(op, pos, end, got < 0 ? -static_cast<int64_t>(errno) : got);
     }
-    pos += got;  // a short transfer is resumed where it stopped
+    if (step == Step::kFailed) return;
+    chunk = end;
   }
 }
 
@@ -197,7 +271,10 @@ int Engine::pending() const {
 
 Stats Engine::stats() const {
   std::lock_guard<std::mutex> lock(done_mutex_);
-  return stats_;
+  Stats s = stats_;
+  s.short_transfers = short_transfers_.load();
+  s.submit_calls = submit_calls_.load();
+  return s;
 }
 
 }  // namespace ds_aio

@@ -4,12 +4,17 @@
 // bytes go to or come from the file starting at `file_offset`. An async op keeps a reference to
 // its tensor until wait() returns, so the buffer cannot be freed while a worker uses it.
 // Errors are raised as deepspeed.ops.aio's AsyncIOError (an OSError subclass with errno set).
+//
+// The backend comes from the handle's `backend=` argument, else $DS_AIO_BACKEND, else "auto"
+// (io_uring when it works here, the thread pool otherwise: see [Note: backends]). The first
+// handle of a process that falls back warns once, with the reason; get_backend_reason() keeps it.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
 #include <sys/mman.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -30,10 +35,46 @@ struct LockedAlloc {
   bool locked;
 };
 
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? std::string(value) : fallback;
+}
+
+ds_aio::EngineOptions engine_options(int64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
+                                     int thread_count, const py::object& backend) {
+  ds_aio::EngineOptions o;
+  o.block_size = block_size;
+  o.queue_depth = queue_depth;
+  o.thread_count = thread_count;
+  o.single_submit = single_submit;
+  o.overlap_events = overlap_events;
+  o.backend = backend.is_none() ? env_or("DS_AIO_BACKEND", "auto") : backend.cast<std::string>();
+  o.split_transfers = env_or("DS_AIO_SPLIT_TRANSFERS_FOR_TESTS", "0") == "1";
+  return o;
+}
+
+std::atomic<bool> g_fallback_warned{false};  // one fallback warning per process
+
 class AioHandle {
  public:
-  AioHandle(int64_t block_size, int queue_depth, bool single_submit, bool overlap_events, int thread_count)
-      : engine_(block_size, queue_depth, thread_count), single_submit_(single_submit), overlap_events_(overlap_events) {}
+  AioHandle(int64_t block_size, int queue_depth, bool single_submit, bool overlap_events, int thread_count,
+            const py::object& backend)
+      : engine_(engine_options(block_size, queue_depth, single_submit, overlap_events, thread_count, backend)) {
+    const std::string& why = engine_.fallback_reason();
+    if (!why.empty() && !g_fallback_warned.exchange(true)) {
+      const std::string msg = "deepspeed.ops.aio: io_uring is not usable here (" + why +
+                              "); using the thread-pool backend (set DS_AIO_BACKEND=thread_pool to choose it "
+                              "and silence this warning)";
+      if (PyErr_WarnEx(PyExc_RuntimeWarning, msg.c_str(), 1) != 0) throw py::error_already_set();
+    }
+  }
+
+  std::string backend_reason() const {
+    const std::string& why = engine_.fallback_reason();
+    if (!why.empty()) return "auto fell back to the thread pool: " + why;
+    if (engine_.options.backend != "auto") return "asked for (backend= or DS_AIO_BACKEND)";
+    return "auto: io_uring works here";
+  }
 
   int submit(const at::Tensor& buffer, const std::string& path, int64_t offset, bool read, bool async_op) {
     char* data = checked_data(buffer, path, read);
@@ -101,6 +142,8 @@ class AioHandle {
     d["buffered_ops"] = s.buffered_ops;
     d["bytes_read"] = s.bytes_read;
     d["bytes_written"] = s.bytes_written;
+    d["short_transfers"] = s.short_transfers;
+    d["submit_calls"] = s.submit_calls;
     d["pending_ops"] = engine_.pending();
     d["locked_tensors"] = locked_count_;
     return d;
@@ -109,8 +152,9 @@ class AioHandle {
   int64_t block_size() const { return engine_.block_size; }
   int queue_depth() const { return engine_.queue_depth; }
   int thread_count() const { return engine_.thread_count; }
-  bool single_submit() const { return single_submit_; }
-  bool overlap_events() const { return overlap_events_; }
+  bool single_submit() const { return engine_.options.single_submit; }
+  bool overlap_events() const { return engine_.options.overlap_events; }
+  std::string backend() const { return ds_aio::backend_name(engine_.backend()); }
 
  private:
   static char* checked_data(const at::Tensor& buffer, const std::string& path, bool read) {
@@ -124,8 +168,6 @@ class AioHandle {
   }
 
   ds_aio::Engine engine_;
-  const bool single_submit_;
-  const bool overlap_events_;
   std::mutex locked_mutex_;
   std::set<void*> locked_;
   int64_t locked_count_ = 0;
@@ -136,8 +178,13 @@ py::exception<ds_aio::IOError>* g_io_error = nullptr;  // the AsyncIOError type,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "deepspeed.ops.aio: asynchronous file reads and writes of CPU tensors (thread-pool backend)";
-  m.attr("backend") = "thread_pool";
+  m.doc() = "deepspeed.ops.aio: asynchronous file reads and writes of CPU tensors (io_uring or a thread pool)";
+  // Why io_uring cannot be used in this process ("" when it can), probed once at import, and
+  // the backend a handle made with no backend= argument gets at import time.
+  const std::string unavailable = ds_aio::io_uring_unavailable_reason();
+  m.attr("io_uring_unavailable_reason") = unavailable;
+  const std::string forced = env_or("DS_AIO_BACKEND", "auto");
+  m.attr("backend") = forced != "auto" ? forced : (unavailable.empty() ? "io_uring" : "thread_pool");
   // Never destroyed: the type must outlive any exception object raised with it.
   g_io_error = new py::exception<ds_aio::IOError>(m, "AsyncIOError", PyExc_OSError);
   py::register_exception_translator([](std::exception_ptr p) {
@@ -150,12 +197,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   auto offset = py::arg("file_offset") = 0;
+  auto backend = py::arg("backend") = py::none();
   py::class_<AioHandle>(m, "aio_handle")
-      .def(py::init<int64_t, int, bool, bool, int>(), py::arg("block_size") = 1 << 20, py::arg("queue_depth") = 128,
-           py::arg("single_submit") = false, py::arg("overlap_events") = false, py::arg("thread_count") = 1)
-      .def(py::init([](int64_t bs, int qd, bool ss, bool oe, int iop) { return new AioHandle(bs, qd, ss, oe, iop); }),
+      .def(py::init<int64_t, int, bool, bool, int, const py::object&>(), py::arg("block_size") = 1 << 20,
+           py::arg("queue_depth") = 128, py::arg("single_submit") = false, py::arg("overlap_events") = false,
+           py::arg("thread_count") = 1, backend)
+      .def(py::init([](int64_t bs, int qd, bool ss, bool oe, int iop, const py::object& b) {
+             return new AioHandle(bs, qd, ss, oe, iop, b);
+           }),
            py::arg("block_size") = 1 << 20, py::arg("queue_depth") = 128, py::arg("single_submit") = false,
-           py::arg("overlap_events") = false, py::arg("intra_op_parallelism") = 1)
+           py::arg("overlap_events") = false, py::arg("intra_op_parallelism") = 1, backend)
       .def("async_pread", [](AioHandle& h, const at::Tensor& b, const std::string& f, int64_t o) { return h.submit(b, f, o, true, true); },
            py::arg("buffer"), py::arg("filename"), offset)
       .def("async_pwrite", [](AioHandle& h, const at::Tensor& b, const std::string& f, int64_t o) { return h.submit(b, f, o, false, true); },
@@ -178,5 +229,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("get_overlap_events", &AioHandle::overlap_events)
       .def("get_thread_count", &AioHandle::thread_count)
       .def("get_intra_op_parallelism", &AioHandle::thread_count)
-      .def("get_backend", [](const AioHandle&) { return std::string("thread_pool"); });
+      .def("get_backend", &AioHandle::backend)
+      .def("get_backend_reason", &AioHandle::backend_reason);
 }

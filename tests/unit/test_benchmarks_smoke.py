@@ -244,6 +244,28 @@ def test_run_all_quick_hierarchical(tmp_path):
     assert "hpZ+qwZ+qgZ cross-node bytes / plain ZeRO-3 (2x2)" in md
 
 
+@pytest.mark.timeout(300)
+def test_run_all_quick_aio(tmp_path):
+    """The aio section alone (16 MiB; the op's JIT build the first time): each backend usable
+    here and dd, read back from latest.json, the bytes checked, the targets in latest.md."""
+    out = _run("run_all.py", "--skip-upstream", "--out-dir", str(tmp_path), "--only", "aio", timeout=280)
+    assert "| dd_bs1M |" in out and "| thread_pool |" in out, out
+    aio = json.loads((tmp_path / "latest.json").read_text())["aio"]
+    assert aio["file_bytes"] == 16 * 2**20 and aio["rounds"] == 1
+    cases = {"dd_bs1M", "dd_bs16M", "thread_pool"} | (
+        {"io_uring"} if not aio["io_uring_unavailable_reason"] else set()
+    )
+    assert set(aio["mib_per_s"]) == cases
+    assert all(r["read"] > 0 and r["write"] > 0 for r in aio["mib_per_s"].values())
+    assert aio["read_ratio_thread_pool"] > 0 and aio["write_ratio_thread_pool"] > 0
+    assert aio["read_ratio"] == aio[f"read_ratio_{aio['default_backend']}"]
+    if aio["dir_file_system"] != "tmpfs":
+        assert all(aio["engine_o_direct"].values()), aio["engine_o_direct"]
+    md = (tmp_path / "latest.md").read_text()
+    assert "aio thread-pool read bandwidth / dd O_DIRECT" in md and "| >= 0.8 |" in md
+    assert "Async I/O (deepspeed.ops.aio) bandwidth against dd with O_DIRECT" in md
+
+
 # ----------------------------------------------------------------------------- benchmarks/gpu
 
 GPU_CASES = ["ours", "ours_off", "upstream", "upstream_off", "fsdp2", "fsdp2_off", "plain"]

@@ -9,6 +9,7 @@ import deepspeed
 from deepspeed import env_report
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.op_builder import ALL_OPS, CPUAdamBuilder
+from deepspeed.ops.op_builder.async_io import probe_io_uring
 
 
 def run_report(capsys, *argv):
@@ -85,6 +86,32 @@ def test_async_io_row_and_backend(capsys):
     row = re.search(r"^async_io\s+(\[\w+\])", out, re.MULTILINE)
     assert row is not None and row.group(1) == ("[YES]" if op.is_compatible() else "[NO]"), out
     if op.is_compatible():
-        assert value_of(out, "async_io backend").startswith("thread_pool: worker threads doing pread/pwrite")
+        note = value_of(out, "async_io backend")
+        assert note.startswith(("io_uring: a ring sets up here", "thread_pool: io_uring is not usable")), note
+        assert note.startswith("io_uring") == (probe_io_uring() == ""), note
     else:
         assert "async_io backend" not in out
+
+
+def test_async_io_backend_note_says_how_the_backend_was_chosen(monkeypatch):
+    op = ALL_OPS["async_io"]
+    monkeypatch.setenv("DS_AIO_BACKEND", "thread_pool")
+    assert op.backend_note() == "thread_pool: set by DS_AIO_BACKEND=thread_pool"
+    monkeypatch.setenv("DS_AIO_BACKEND", "io_uring")
+    usable = probe_io_uring() == ""
+    assert op.backend_note().startswith("io_uring: set by DS_AIO_BACKEND=io_uring")
+    assert ("handles raise" in op.backend_note()) is not usable
+    monkeypatch.setenv("DS_AIO_BACKEND", "libaio")
+    assert "libaio: invalid (choose from auto, io_uring, thread_pool)" in op.backend_note()
+    monkeypatch.delenv("DS_AIO_BACKEND")
+    monkeypatch.setattr(op, "is_built", lambda: False)  # ds_report before the first build
+    reason = probe_io_uring()
+    note = op.backend_note()
+    assert note.endswith(
+        "probed from Python; the op is not built yet)"
+        if reason
+        else "DS_AIO_BACKEND=thread_pool forces the thread pool"
+    )
+    assert note.startswith(
+        "thread_pool: io_uring is not usable (io_uring_setup failed" if reason else "io_uring: a ring sets up"
+    )
