@@ -594,6 +594,12 @@ class _ApiHolds:
 PARAM_API = _ApiHolds()
 
 
+def _secondary_served(states: list, quantized: bool) -> list:
+    """hpZ: the `states` a gather serves from their secondary slices. Under qwZ those hold the
+    dequantized values of a quantized gather, so only a quantized gather uses them."""
+    return [s for s in states if s.secondary is not None and (quantized or s.qwz is None)]
+
+
 def fetch_states(
     states: list, owner: object, async_op: bool = False, quantized: bool = False
 ) -> GatherHandle:
@@ -606,14 +612,14 @@ def fetch_states(
     fp32 master for good ([Note: block-wise int8] in quantized.py)."""
     missing, in_flight = hold_all(states, owner)
     buckets = []
-    if missing and missing[0].hpz is not None and any(s.secondary is not None for s in missing):
+    near = [] if not missing or missing[0].hpz is None else _secondary_served(missing, quantized)
+    if near:
         device = _compute_device()  # hpZ: gather what has a secondary slice within the node
-        near = [s for s in missing if s.secondary is not None and (quantized or s.qwz is None)]
         for same_dtype in _buckets_by_group_and_dtype(near):
             bucket = _SecondaryBucket(same_dtype)
             bucket.issue(device, inflight=async_op)
             buckets.append(bucket)
-        missing = [s for s in missing if not (s.secondary is not None and (quantized or s.qwz is None))]
+        missing = [s for s in missing if s.secondary is None or not (quantized or s.qwz is None)]
     if quantized and missing and any(s.qwz is not None for s in missing):  # qwZ: quantized.py
         device = _compute_device()
         for same in _buckets_by_group_and_dtype([s for s in missing if s.qwz is not None]):
