@@ -769,7 +769,9 @@ class TestApiSurfaceDistributed(DistributedTest):
         monkeypatch.setattr(
             gather,
             "fetch_states",
-            lambda s, o, async_op=False: owners.append(getattr(o, "module", None)) or real(s, o, async_op),
+            lambda s, o, async_op=False, **kw: (
+                owners.append(getattr(o, "module", None)) or real(s, o, async_op, **kw)
+            ),
         )
         engine.backward(_leaf_loss(engine, x))
         engine.step()

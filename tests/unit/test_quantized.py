@@ -380,6 +380,20 @@ class TestQuantized(DistributedTest):
         # its frozen bias) moved out, so no buffer keeps a frozen shard's full-precision copy.
         kept = sum(s.stored.nbytes if s.stored is not None else s.partition_size * 4 for s in states)
         assert qz.partition_bytes(states) == kept
+        # With qwZ on too, one bucket mixes stored codes and freshly quantized shards: each
+        # parameter gathers as it does alone.
+        both = run_engine(
+            quant_case("fqw", build=zm.frozen_token_mlp, steps=6, zero_quantized_weights=True, **zero), data
+        )
+        assert 0 < _max_rel(both.losses, plain.losses) <= QUANT_RTOL
+        states = both.engine.zero.zero_states
+        assert any(s.stored is not None for s in states) and any(s.stored is None for s in states)
+        alone = []
+        for s in states:
+            with compute_gather([s]):
+                alone.append(s.param.data.clone())
+        with compute_gather(states):
+            assert all(torch.equal(s.param.data, a) for s, a in zip(states, alone))
         sizes = check_frozen_storage(ws, str(tmp_path))
         if dist.get_rank() == 0:
             print(f"\nfrozen weights stored quantized (LoraLike, {ws} ranks): {sizes}")
