@@ -516,9 +516,8 @@ class ParameterCoordinator:
         frozen = [s for s in hold.states if not s.param.requires_grad]
         if frozen:
             keep = _Hold(hold.module, HoldKind.RECOMPUTE, frozen)
-            gather.fetch_states(
-                frozen, keep, quantized=True
-            )  # one more hold on gathered tensors: no collective
+            # one more hold on gathered tensors: no collective
+            gather.fetch_states(frozen, keep, quantized=True)
             self.recompute_holds.setdefault(id(hold.module), []).append(keep)
 
     def _pop_forward_hold(self, module: nn.Module) -> Optional[_Hold]:
