@@ -212,7 +212,7 @@ def _apply_weights(engine: CheckpointEngine, ckpt: ShardedCheckpoint, load_optim
         weights = ckpt.resharded_weight(name, state.world_size, state.rank)
         master = masters.get(state.ds_id)
         if master is None:
-            state.shard.copy_(weights)
+            state.assign_shard(weights)  # re-quantized when stored quantized (zero/quantized.py)
             continue
         master.data.copy_(weights)
         copy_cast(state.shard, master.data)  # as the optimizer's write-back casts it

@@ -726,11 +726,11 @@ class TestApiSurfaceDistributed(DistributedTest):
         fetches = []
         real = gather.fetch_states
 
-        def counting(states, owner, async_op=False):
+        def counting(states, owner, async_op=False, **kwargs):
             module = getattr(owner, "module", None)
             if module is not None and states:
                 fetches.append((type(module).__name__, getattr(owner, "phase", ""), len(states)))
-            return real(states, owner, async_op=async_op)
+            return real(states, owner, async_op=async_op, **kwargs)
 
         monkeypatch.setattr(gather, "fetch_states", counting)
         engine = _engine_train(build, data, _leaf_loss, stage3_prefetch_bucket_size=0)
@@ -769,7 +769,9 @@ class TestApiSurfaceDistributed(DistributedTest):
         monkeypatch.setattr(
             gather,
             "fetch_states",
-            lambda s, o, async_op=False: owners.append(getattr(o, "module", None)) or real(s, o, async_op),
+            lambda s, o, async_op=False, **kw: (
+                owners.append(getattr(o, "module", None)) or real(s, o, async_op, **kw)
+            ),
         )
         engine.backward(_leaf_loss(engine, x))
         engine.step()

@@ -9,9 +9,12 @@ that error.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import os
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero import quantized as qz
 from deepspeed.utils import groups
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from tests.unit.common import DistributedTest
 from tests.unit.test_node_traffic import by_kind, traffic_config
 from tests.zoo import models as zm
@@ -86,6 +90,18 @@ def exact_full(state) -> torch.Tensor:
     return out
 
 
+@contextlib.contextmanager
+def compute_gather(states: list):
+    """Gather `states` as the hooks do for a forward or backward (qwZ's int8 path); a
+    GatheredParameters gathers exactly (see `check_exact_user_gathers`)."""
+    owner = object()  # a holder of its own, as each hook is
+    gather.fetch_states(states, owner, quantized=True)
+    try:
+        yield
+    finally:
+        gather.release_states(states, owner)
+
+
 def check_gathered_bound(engine) -> float:
     """Each parameter gathered alone (one bucket) equals every rank's shard quantized and
     dequantized, and differs from the exact values by at most scale / 2. Returns the largest error."""
@@ -95,7 +111,7 @@ def check_gathered_bound(engine) -> float:
         rows = exact.view(s.world_size, s.partition_size)
         codes, scales = qz.quantize_rows(rows)
         want = qz.dequantize_rows(codes, scales, s.partition_size).reshape(-1)[: s.numel]
-        with deepspeed.zero.GatheredParameters([s.param]):
+        with compute_gather([s]):
             got = s.param.data.reshape(-1).clone()
         assert torch.equal(got, want), s.ds_id
         bound = scales.repeat_interleave(qz.BLOCK, dim=1)[:, : s.partition_size].reshape(-1)[: s.numel] / 2
@@ -103,6 +119,20 @@ def check_gathered_bound(engine) -> float:
         assert (err <= bound * (1 + ULP)).all(), s.ds_id
         worst = max(worst, err.max().item())
     return worst
+
+
+def check_exact_user_gathers(engine) -> None:
+    """GatheredParameters shows the exact values, and a modifier_rank gather with no edit
+    leaves every shard (so every fp32 master) bit-equal: before the fix it gathered the
+    quantized copy and wrote it back, quantizing the shards for good (off by 0.016 here)."""
+    states = engine.zero.zero_states
+    before = [s.shard.clone() for s in states]
+    with deepspeed.zero.GatheredParameters([s.param for s in states]):
+        for s in states:
+            assert torch.equal(s.param.data.reshape(-1), exact_full(s)[: s.numel]), s.ds_id
+    with deepspeed.zero.GatheredParameters([s.param for s in states], modifier_rank=0):
+        pass
+    assert all(torch.equal(a, s.shard) for a, s in zip(before, states))
 
 
 def masters_untouched() -> bool:
@@ -117,7 +147,7 @@ def masters_untouched() -> bool:
     after = [s.shard for s in first.engine.zero.zero_states]
     quantized_somewhere = False
     for s in first.engine.zero.zero_states:
-        with deepspeed.zero.GatheredParameters([s.param]):
+        with compute_gather([s]):
             quantized_somewhere |= not torch.equal(s.param.data.reshape(-1), exact_full(s)[: s.numel])
     return quantized_somewhere and all(torch.equal(a, b) for a, b in zip(before, after))
 
@@ -162,6 +192,124 @@ def check_bytes() -> dict:
     }
 
 
+class LoraLike(nn.Module):
+    """A frozen base (two Linear layers, LoRA's usual target) with small trainable adapters."""
+
+    def __init__(self, width: int = 64, hidden: int = 256, rank: int = 4) -> None:
+        super().__init__()
+        self.base_in = nn.Linear(width, hidden)
+        self.base_out = nn.Linear(hidden, width)
+        self.lora_a = nn.Linear(width, rank, bias=False)
+        self.lora_b = nn.Linear(rank, hidden, bias=False)
+        for p in (*self.base_in.parameters(), *self.base_out.parameters()):
+            p.requires_grad_(False)
+
+    def first(self, x):
+        return self.base_in(x) + self.lora_b(self.lora_a(x))
+
+    def forward(self, x):
+        return self.base_out(torch.relu(self.first(x)))
+
+
+def fp32_storages() -> dict:
+    """{data_ptr: bytes} of the fp32 storages alive in this process."""
+    gc.collect()
+    found = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.dtype == torch.float32 and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def lora_engine(stored: bool, ckpt: Optional[str] = None):
+    torch.manual_seed(3)
+    cfg = traffic_config(zero_quantized_nontrainable_weights=stored)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    engine, *_ = deepspeed.initialize(model=LoraLike(), config=cfg)
+    if ckpt is not None:
+        engine.load_checkpoint(ckpt, tag="lora")
+    return engine
+
+
+def lora_steps(engine, steps: range) -> list:
+    losses = []
+    for step in steps:
+        x = torch.randn(2, 64, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def check_frozen_storage(ws: int, tmp: str) -> dict:
+    """Frozen weights stored quantized: the partition bytes drop about 4x, the forward output
+    stays within the bound the stored error gives, a checkpoint holds the dequantized values
+    (zero_to_fp32 too) and a resumed run equals the uninterrupted one."""
+    plain = lora_engine(False)
+    known = fp32_storages()
+    quant = lora_engine(True)
+    # No full-precision copy of a frozen shard survives: the quantized engine made no fp32
+    # storage as large as the frozen Linear's flat shard buffer (the plain engine made two).
+    assert not [n for ptr, n in fp32_storages().items() if ptr not in known and n >= 32 * 1024]
+    p_states, q_states = plain.zero.zero_states, quant.zero.zero_states
+    frozen = [i for i, s in enumerate(q_states) if not s.param.requires_grad]
+    assert all(q_states[i].stored is not None for i in frozen)
+    before = qz.partition_bytes([p_states[i] for i in frozen])
+    after = qz.partition_bytes([q_states[i] for i in frozen])
+    whole = (qz.partition_bytes(p_states), qz.partition_bytes(q_states))
+    assert after == sum(qz.payload_bytes(q_states[i].partition_size) for i in frozen)
+    assert 0.25 <= after / before <= 0.26, (before, after)
+    # The first layer's output: |dy_i| <= sum_j |x_j| * s_ij / 2 + |db_i|, s the stored scales.
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(7))
+    weight, bias = (q_states[i] for i in frozen[:2])
+    bounds = []
+    for s, p in ((weight, p_states[frozen[0]]), (bias, p_states[frozen[1]])):
+        original = exact_full(p)[: p.numel]
+        got = exact_full(s)[: s.numel]  # every reader sees the stored values: the shard, gathers
+        stored_scales = s.stored.payload[qz.blocks_of(s.partition_size) * qz.BLOCK :].view(torch.float32)
+        every_scale = torch.empty(ws * stored_scales.numel())
+        dist.all_gather_into_tensor(every_scale, stored_scales.contiguous())
+        per_element = every_scale.view(ws, -1).repeat_interleave(qz.BLOCK, 1)[:, : s.partition_size]
+        bound = per_element.reshape(-1)[: s.numel] / 2 * (1 + ULP)
+        assert ((got - original).abs() <= bound).all()
+        bounds.append((bound.view(s.shape), original.view(s.shape)))
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(list(quant.module.parameters())):
+        y_quant = quant.module.first(x)
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(list(plain.module.parameters())):
+        y_exact = plain.module.first(x)
+    (w_bound, _), (b_bound, _) = bounds
+    out_bound = x.abs() @ w_bound.t() + b_bound
+    out_err = (y_quant - y_exact).abs()
+    assert (out_err <= out_bound * (1 + 1e-4) + 1e-6).all() and out_err.max() > 0
+    # Checkpoint: the dequantized values are saved; a load re-quantizes them to the same codes.
+    whole_run = lora_steps(lora_engine(True), range(4))
+    first = lora_steps(quant, range(2))
+    quant.save_checkpoint(tmp, tag="lora")
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(tmp, tag="lora")
+    with deepspeed.zero.GatheredParameters(list(quant.module.parameters())):
+        live = {n: p.detach().clone() for n, p in quant.module.named_parameters()}
+    assert all(torch.equal(fp32[n], live[n]) for n in live), "zero_to_fp32 differs from the live values"
+    fresh = lora_engine(True, tmp)
+    assert all(
+        torch.equal(a.stored.payload, b.stored.payload)
+        for a, b in zip(fresh.zero.zero_states, q_states)
+        if b.stored is not None
+    )
+    assert first + lora_steps(fresh, range(2, 4)) == whole_run
+    # An edit written back through GatheredParameters(modifier_rank=0) is re-quantized.
+    weight = fresh.module.base_in.weight
+    old = weight._zero_state.stored.payload.clone()
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+        if dist.get_rank() == 0:
+            weight.data[0].fill_(0.5)  # the largest value of its block: kept exactly
+    with deepspeed.zero.GatheredParameters([weight]):
+        assert (weight.data[0] - 0.5).abs().max() <= 0.5 / 254 * ULP
+    assert dist.get_rank() != 0 or not torch.equal(old, weight._zero_state.stored.payload)
+    return {"frozen_bytes": (before, after), "all_bytes": whole, "out_err": out_err.max().item()}
+
+
 def check_qgz_bound() -> None:
     """The int8 reduce-scatter of random slices: within sum_r scale_r / 2 of the exact sum."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -196,8 +344,9 @@ class TestQuantized(DistributedTest):
                 assert all(s.qwz is qz.QuantizedGatherBucket for s in states)
                 gaps[name + "_weight_err"] = check_gathered_bound(run.engine)
                 states = run.engine.zero.zero_states
-                with deepspeed.zero.GatheredParameters([s.param for s in states]):
+                with compute_gather(states):
                     assert gather.find_discarded_edits(states) == []  # quantized copies are no edits
+                check_exact_user_gathers(run.engine)
             if "zero_quantized_gradients" in zero:
                 assert run.engine.reducer.quantized
         assert masters_untouched()
@@ -205,7 +354,7 @@ class TestQuantized(DistributedTest):
         if dist.get_rank() == 0:
             print(f"\nloss gaps (max rel over 20 steps): {gaps}\nbytes per step, 2 ranks: {sizes}")
 
-    def test_frozen_weights_quantized(self):
+    def test_frozen_weights_quantized(self, tmp_path):
         ws = dist.get_world_size()
         zero = {"zero_quantized_nontrainable_weights": True}
         data = quant_case("f", build=zm.frozen_token_mlp, steps=6).micro_batches(ws)
@@ -217,24 +366,37 @@ class TestQuantized(DistributedTest):
         assert frozen and all(s.qwz is not None and s.qwz_frozen for s in frozen)
         assert all(s.qwz is None for s in states if s.param.requires_grad)
         differs = []
-        for s in states:  # trainable: exact gathers; frozen: quantized within the bound
-            with deepspeed.zero.GatheredParameters([s.param]):
+        for s, p in zip(states, plain.engine.zero.zero_states):  # frozen: never stepped, p has them exact
+            with compute_gather([s]):
                 got = s.param.data.reshape(-1).clone()
-            exact = exact_full(s)[: s.numel]
-            if s.param.requires_grad:
-                assert torch.equal(got, exact)
-            else:
-                differs.append(not torch.equal(got, exact))  # LayerNorm's ones and zeros quantize exactly
-                assert (got - exact).abs().max() <= exact.abs().max() / 254 * (1 + ULP)
+            assert torch.equal(got, exact_full(s)[: s.numel])  # a gather adds no error to what is stored
+            if not s.param.requires_grad:
+                assert s.stored is not None and s._shard is None  # the full-precision shard is gone
+                original = exact_full(p)[: p.numel]
+                differs.append(not torch.equal(got, original))  # LayerNorm's ones and zeros quantize exactly
+                assert (got - original).abs().max() <= original.abs().max() / 254 * (1 + ULP)
         assert any(differs)
-        # The codes are kept (a cache hit returns the same payload object) and a step drops them.
-        frozen[0].qwz_cache = None
-        with deepspeed.zero.GatheredParameters([frozen[0].param]):
-            pass
-        kept = frozen[0].qwz_cache[1]
-        with deepspeed.zero.GatheredParameters([frozen[0].param]):
-            pass
-        assert frozen[0].qwz_cache[1] is kept
+        # Trainable shards that shared a flat buffer with a stored one (blocks[0].up's weight and
+        # its frozen bias) moved out, so no buffer keeps a frozen shard's full-precision copy.
+        kept = sum(s.stored.nbytes if s.stored is not None else s.partition_size * 4 for s in states)
+        assert qz.partition_bytes(states) == kept
+        # With qwZ on too, one bucket mixes stored codes and freshly quantized shards: each
+        # parameter gathers as it does alone.
+        both = run_engine(
+            quant_case("fqw", build=zm.frozen_token_mlp, steps=6, zero_quantized_weights=True, **zero), data
+        )
+        assert 0 < _max_rel(both.losses, plain.losses) <= QUANT_RTOL
+        states = both.engine.zero.zero_states
+        assert any(s.stored is not None for s in states) and any(s.stored is None for s in states)
+        alone = []
+        for s in states:
+            with compute_gather([s]):
+                alone.append(s.param.data.clone())
+        with compute_gather(states):
+            assert all(torch.equal(s.param.data, a) for s, a in zip(states, alone))
+        sizes = check_frozen_storage(ws, str(tmp_path))
+        if dist.get_rank() == 0:
+            print(f"\nfrozen weights stored quantized (LoraLike, {ws} ranks): {sizes}")
 
     def test_variants_and_checkpoint(self, tmp_path):
         """qwZ + qgZ with accumulation and clipping, bf16, AdamW, hpZ, and a save / load

@@ -86,7 +86,7 @@ def _buckets_by_group_and_dtype(states: list) -> list:
         return [states]  # one module's parameters: one flat shard buffer, so one dtype
     buckets: dict = {}
     for s in states:
-        buckets.setdefault((id(s.group), s.shard.dtype), []).append(s)
+        buckets.setdefault((id(s.group), s.shard_dtype), []).append(s)
     return list(buckets.values())
 
 
@@ -487,12 +487,9 @@ def refresh_gathered(states: list) -> None:
     After an optimizer step, parameters that stay gathered (persistent ones, or ones a live
     holder keeps) must see the new shards.
     """
-    available = [s for s in states if s.status is ZeroParamStatus.AVAILABLE]
-    if any(s.qwz is not None for s in available):  # qwZ: quantized like its other gathers
-        for same in _buckets_by_group_and_dtype([s for s in available if s.qwz is not None]):
-            same[0].qwz.refresh(same)
-        available = [s for s in available if s.qwz is None]
-    gather_into_params(available)
+    # Exact even under qwZ: what stays gathered across a step is persistent or a user's
+    # GatheredParameters, both gathered exactly (`fetch_states`).
+    gather_into_params([s for s in states if s.status is ZeroParamStatus.AVAILABLE])
 
 
 def gather_into_params(states: list, bucket_elems: int = 0) -> None:
@@ -512,7 +509,7 @@ def gather_into_params(states: list, bucket_elems: int = 0) -> None:
     """
     by_key: dict = {}
     for s in states:
-        by_key.setdefault((id(s.group), s.shard.dtype), []).append(s)
+        by_key.setdefault((id(s.group), s.shard_dtype), []).append(s)
     for same in by_key.values():
         buckets, chunk, elems = [], [], 0
         for s in same:
@@ -530,7 +527,7 @@ def gather_into_params(states: list, bucket_elems: int = 0) -> None:
         scratch = None
         if not dist.completes_on_issue(first.group, first.param.data):
             capacity = max(sum(s.partition_size for s in b) for b in buckets) * first.world_size
-            scratch = torch.empty(capacity, dtype=first.shard.dtype, device=device)
+            scratch = torch.empty(capacity, dtype=first.shard_dtype, device=device)
         for bucket in buckets:
             _gather_bucket(bucket, device, scratch)
 
@@ -544,11 +541,11 @@ def _gather_bucket(states: list, device: torch.device, scratch: Optional[torch.T
         if _storage_is_rows(s):
             target = s.param.data.view(world, s.partition_size)
         else:  # its last rank's slice runs past its end: gathered into a small buffer first
-            target = torch.empty(world, s.partition_size, dtype=s.shard.dtype, device=device)
+            target = torch.empty(world, s.partition_size, dtype=s.shard_dtype, device=device)
             padded.append((s, target))
-        own = target[rank]
-        if own.data_ptr() != s.shard.data_ptr():  # a copy: stage 3, padding, shared storage, new .data
-            own.copy_(s.shard)
+        own, shard = target[rank], s.shard
+        if own.data_ptr() != shard.data_ptr():  # a copy: stage 3, padding, shared storage, new .data
+            own.copy_(shard)
         targets.append(target)
     dist.all_gather_into_columns(targets, sizes, None, group=first.group, scratch=scratch)
     for s, target in padded:
@@ -558,7 +555,7 @@ def _gather_bucket(states: list, device: torch.device, scratch: Optional[torch.T
 def _storage_is_rows(state: Any) -> bool:
     """Whether `state.param`'s storage can take its gathered block as a `[world, partition_size]` view."""
     data = state.param.data
-    return state.padding == 0 and data.is_contiguous() and data.dtype == state.shard.dtype
+    return state.padding == 0 and data.is_contiguous() and data.dtype == state.shard_dtype
 
 
 class GatherHandle:
@@ -597,18 +594,33 @@ class _ApiHolds:
 PARAM_API = _ApiHolds()
 
 
-def fetch_states(states: list, owner: object, async_op: bool = False) -> GatherHandle:
-    """Take one hold for `owner` on each state and gather those not available (see both notes above)."""
+def _secondary_served(states: list, quantized: bool) -> list:
+    """hpZ: the `states` a gather serves from their secondary slices. Under qwZ those hold the
+    dequantized values of a quantized gather, so only a quantized gather uses them."""
+    return [s for s in states if s.secondary is not None and (quantized or s.qwz is None)]
+
+
+def fetch_states(
+    states: list, owner: object, async_op: bool = False, quantized: bool = False
+) -> GatherHandle:
+    """Take one hold for `owner` on each state and gather those not available (see both notes above).
+
+    `quantized=True` (the hooks' gathers for compute): parameters with qwZ on gather int8, and
+    hpZ's secondary slices, which hold those dequantized values, serve them. Every other
+    gather (GatheredParameters, `param.all_gather()`, persistence, a refresh) gives the
+    exact values: an edit written back from a quantized copy would quantize the shard and the
+    fp32 master for good ([Note: block-wise int8] in quantized.py)."""
     missing, in_flight = hold_all(states, owner)
     buckets = []
-    if missing and missing[0].hpz is not None and any(s.secondary is not None for s in missing):
+    near = [] if not missing or missing[0].hpz is None else _secondary_served(missing, quantized)
+    if near:
         device = _compute_device()  # hpZ: gather what has a secondary slice within the node
-        for same_dtype in _buckets_by_group_and_dtype([s for s in missing if s.secondary is not None]):
+        for same_dtype in _buckets_by_group_and_dtype(near):
             bucket = _SecondaryBucket(same_dtype)
             bucket.issue(device, inflight=async_op)
             buckets.append(bucket)
-        missing = [s for s in missing if s.secondary is None]
-    if missing and any(s.qwz is not None for s in missing):  # qwZ: quantized.py
+        missing = [s for s in missing if s.secondary is None or not (quantized or s.qwz is None)]
+    if quantized and missing and any(s.qwz is not None for s in missing):  # qwZ: quantized.py
         device = _compute_device()
         for same in _buckets_by_group_and_dtype([s for s in missing if s.qwz is not None]):
             bucket = same[0].qwz(same, _back_to_back(same))

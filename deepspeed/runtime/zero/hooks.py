@@ -339,7 +339,7 @@ class _Prefetcher:
         self.scanned = index
         if wanted:
             wanted.sort(key=_ds_id)  # the gather's order (already so within one submodule)
-            gather.fetch_states(wanted, self, async_op=True)
+            gather.fetch_states(wanted, self, async_op=True, quantized=True)
             self.prefetched += len(wanted)
 
     def end_pass(self) -> None:
@@ -463,7 +463,7 @@ class ParameterCoordinator:
         return list(cached)  # a hold may append to its own list (_on_access)
 
     def _fetch(self, hold: _Hold) -> None:
-        gather.fetch_states(hold.states, hold)
+        gather.fetch_states(hold.states, hold, quantized=True)
         self.prefetcher.hand_over(hold.states)
         self.prefetcher.record_or_advance(hold.states)
         self.prefetcher.prefetch_next()
@@ -516,7 +516,8 @@ class ParameterCoordinator:
         frozen = [s for s in hold.states if not s.param.requires_grad]
         if frozen:
             keep = _Hold(hold.module, HoldKind.RECOMPUTE, frozen)
-            gather.fetch_states(frozen, keep)  # one more hold on gathered tensors: no collective
+            # one more hold on gathered tensors: no collective
+            gather.fetch_states(frozen, keep, quantized=True)
             self.recompute_holds.setdefault(id(hold.module), []).append(keep)
 
     def _pop_forward_hold(self, module: nn.Module) -> Optional[_Hold]:
@@ -593,7 +594,7 @@ class ParameterCoordinator:
             return  # already held by it (registered on an earlier pass)
         register_external_parameter(hold.module, param)  # from now on fetched with `hold.module`
         self._states_cache.pop(id(hold.module), None)
-        gather.fetch_states([state], hold)
+        gather.fetch_states([state], hold, quantized=True)
         hold.states.append(state)  # released with the submodule's own
         state.active_sub_modules.add(id(hold.module))
 
@@ -629,7 +630,7 @@ class ParameterCoordinator:
         if state.status is ZeroParamStatus.AVAILABLE or id(state) in self.gradient_holds:
             return  # whole already (a submodule's backward, a persistent or user-gathered one)
         hold = _Hold(self.module, HoldKind.GRADIENT, [state])
-        gather.fetch_states(hold.states, hold)
+        gather.fetch_states(hold.states, hold, quantized=True)
         self.gradient_holds[id(state)] = hold
 
     def release_after_gradient(self, param: nn.Parameter) -> None:

@@ -68,7 +68,8 @@ class ZeroParamState:
     rank: int  # this process's rank within `group`
     partition_size: int  # elements per rank, padding included
     padding: int  # elements added to reach a multiple of world_size
-    shard: torch.Tensor  # 1D, [partition_size], this rank's slice (padding zero-filled)
+    _shard: Optional[torch.Tensor]  # what `shard` returns; None while the shard is `stored` compressed
+    stored: Any  # a shard kept compressed (quantized.QuantizedShard; see `store_compressed`), or None
     shard_base: torch.Tensor  # 1D contiguous tensor `shard` is a view of (`shard` itself if none)
     shard_offset: int  # where `shard` starts in `shard_base`, in elements (see gather.py's coalescing note)
     placeholder: torch.Tensor  # what param.data holds while partitioned (`empty_placeholder`)
@@ -87,8 +88,7 @@ class ZeroParamState:
     hpz: Any  # hpZ's HpzLayout (utils/groups.py) when the engine turned hpZ on, else None
     secondary: Optional[torch.Tensor]  # hpZ: this rank's slice of the secondary partition, or None
     qwz: Any  # qwZ: the quantized gather's bucket class (quantized.py) when it is on, else None
-    qwz_frozen: bool  # zero_quantized_nontrainable_weights: its codes are made once and kept
-    qwz_cache: Any  # (key, payload) of the frozen parameters' codes, or None
+    qwz_frozen: bool  # zero_quantized_nontrainable_weights: its shard is `stored` as int8 codes
 
     def __init__(
         self,
@@ -108,6 +108,7 @@ class ZeroParamState:
         self.world_size = world_size
         self.rank = rank
         self.partition_size, self.padding = shard_sizes(self.numel, world_size)
+        self.stored = None
         self._set_shard(self._make_shard(param.data, remote_device, shard_out))
         self.placeholder = empty_placeholder(param.data)
         self.status = ZeroParamStatus.AVAILABLE
@@ -125,7 +126,6 @@ class ZeroParamState:
         self.secondary = None
         self.qwz = None
         self.qwz_frozen = False
-        self.qwz_cache = None
 
     @classmethod
     def copy_for(cls, source: ZeroParamState, param: nn.Parameter) -> ZeroParamState:
@@ -136,6 +136,7 @@ class ZeroParamState:
         state.__dict__.update(source.__dict__)
         state.param = param
         state.ds_id = next(PARAM_IDS)
+        state.stored = None
         state._set_shard(source.shard.clone())
         state.placeholder = empty_placeholder(source.placeholder)
         state.status = ZeroParamStatus.NOT_AVAILABLE
@@ -158,12 +159,48 @@ class ZeroParamState:
         self._copy_own_slice(full, shard)
         return shard
 
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's slice, 1D `[partition_size]` (padding zero-filled). A shard `stored`
+        compressed reads as a fresh dequantized copy: writing into it changes nothing, so every
+        writer goes through `assign_shard` (or `write_back`)."""
+        stored = self.stored
+        return self._shard if stored is None else stored.dequantized()
+
+    @property
+    def shard_dtype(self) -> torch.dtype:
+        """`shard.dtype` without dequantizing a stored shard."""
+        stored = self.stored
+        return self._shard.dtype if stored is None else stored.dtype
+
+    def assign_shard(self, values: torch.Tensor) -> None:
+        """Set the whole shard (`[partition_size]`) in place, re-compressing a stored one."""
+        if self.stored is None:
+            self._shard.copy_(values)
+        else:
+            self.stored.store(values)
+
+    def store_compressed(self, stored: Any) -> None:
+        """Keep the shard only as `stored`, which has `dequantized()`, `store(values)`, `dtype`
+        and `payload` (its one tensor, also `shard_base`); the full-precision shard is dropped."""
+        self._require(ZeroParamStatus.NOT_AVAILABLE, "store_compressed")
+        self.stored = stored
+        self._shard = None
+        self.shard_base, self.shard_offset = stored.payload, 0
+
+    def move_shard(self, out: torch.Tensor) -> None:
+        """Move the shard into `out` (a `[partition_size]` tensor of its dtype), so its old
+        buffer can be freed."""
+        out.copy_(self.shard)
+        self._set_shard(out)
+
     def _set_shard(self, shard: torch.Tensor) -> None:
         """Make `shard` the shard, recording which flat tensor it is a view of, and where."""
         base = shard._base
         if base is None or base.dim() != 1 or not base.is_contiguous() or not shard.is_contiguous():
             base = shard
-        self.shard = shard
+        self.stored = None
+        self._shard = shard
         self.shard_base = base
         self.shard_offset = shard.storage_offset() - base.storage_offset()
 
@@ -180,7 +217,10 @@ class ZeroParamState:
     def write_back(self) -> None:
         """Copy this rank's slice of the gathered tensor into the shard (has_been_updated=True)."""
         self._require(ZeroParamStatus.AVAILABLE, "write_back")
-        self._copy_own_slice(self.param.data, self.shard)
+        shard = self.shard  # a dequantized copy when stored compressed: stored again below
+        self._copy_own_slice(self.param.data, shard)
+        if self.stored is not None:
+            self.stored.store(shard)
         self.shard_version += 1  # tells the optimizer its fp32 master is stale
         all_drop_secondary([self])  # hpZ: the secondary slice would be stale
 
@@ -190,8 +230,11 @@ class ZeroParamState:
         assert not self.holds, (
             f"[rank {self.rank}] ds_id={self.ds_id} re-typed while held by {list(self.holds)}"
         )
-        out.copy_(self.shard)
-        self._set_shard(out)
+        if self.stored is None:
+            out.copy_(self.shard)
+            self._set_shard(out)
+        else:
+            self.stored.dtype = out.dtype  # the codes stay; they dequantize to the new dtype
         self.placeholder = torch.empty(0, dtype=out.dtype, device=self.placeholder.device)
         with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
             self.param.data = self.placeholder

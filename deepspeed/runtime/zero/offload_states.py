@@ -70,7 +70,7 @@ def state_tensors(engine: Any, kind: OffloadStateTypeEnum) -> list:
     elif kind is OffloadStateTypeEnum.lp_params:
         found += list(engine.module.parameters())
         for state in getattr(engine, "zero_states", None) or getattr(zero, "states", []):
-            found += [state.shard, state.shard_base]
+            found += [state.shard_base] if state.stored is not None else [state.shard, state.shard_base]
     elif kind is OffloadStateTypeEnum.lp_grads:
         masters = list(zero.masters.values()) if zero is not None else []
         found += [t.grad for t in masters + list(engine.module.parameters()) if t.grad is not None]

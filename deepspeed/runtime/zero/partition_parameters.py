@@ -699,9 +699,9 @@ class GatheredParameters:
                 # broadcast into the others (their collective would not match): a failure too.
                 replaced = [
                     f"ds_id={s.ds_id} {tuple(s.param.data.shape)} {s.param.data.dtype} (gathered as "
-                    f"{tuple(s.shape)} {s.shard.dtype})"
+                    f"{tuple(s.shape)} {s.shard_dtype})"
                     for s in states
-                    if s.param.data.shape != s.shape or s.param.data.dtype != s.shard.dtype
+                    if s.param.data.shape != s.shape or s.param.data.dtype != s.shard_dtype
                 ]
                 failed = gather.ranks_that_failed(states, failed_here or bool(replaced))
                 if not failed:

@@ -12,18 +12,20 @@ parameter's own rounding is added. The payload is 1 byte per element plus 4 byte
 block: `padded + 4 * ceil(n / 256)` bytes for `n` elements (qwZ: per parameter shard), about 0.26x of fp32 and 0.51x
 of bf16.
 
-qwZ (`zero_optimization.zero_quantized_weights`, stage 3): every gather from the primary
-shards (`gather.fetch_states`) quantizes this rank's flat shard input, all-gathers one int8
-payload (codes then scales, the scales' bytes viewed as int8) and dequantizes every rank's
-part, its own included, so all ranks install the same working copy. The shards and the
-optimizer's fp32 masters are never quantized: only the gathered copy carries the error,
-and it reaches training only through the gradients computed on it. Each parameter's shard
-is quantized on its own (blocks never span two parameters), so a parameter's gathered value
-does not depend on which others share its collective: the refresh after a step or a load of
-what stays gathered (`gather.refresh_gathered`, also quantized) gives what a fresh gather
-gives, and a resumed run equals an uninterrupted one bit for bit. Not quantized:
-`GatheredParameters(modifier_rank=...)` broadcasts, and hpZ's secondary gathers (they copy
-the already dequantized values within a node).
+qwZ (`zero_optimization.zero_quantized_weights`, stage 3): every gather for compute from the
+primary shards (the hooks' `gather.fetch_states(..., quantized=True)`: forward, backward,
+prefetch) quantizes this rank's flat shard input, all-gathers one int8 payload (codes then
+scales, the scales' bytes viewed as int8) and dequantizes every rank's part, its own
+included, so all ranks install the same working copy. The shards and the optimizer's fp32
+masters are never quantized: only the gathered copy carries the error, and it reaches
+training only through the gradients computed on it. Each parameter's shard is quantized on
+its own (blocks never span two parameters), so a parameter's gathered value does not depend
+on which others share its collective, and a resumed run equals an uninterrupted one bit for
+bit. Exact, not quantized: `GatheredParameters` (with or without `modifier_rank`; a
+modifier's write-back from a quantized copy would quantize the shard and the master for
+good), `param.all_gather()`, persistent parameters (small by definition) and the refresh
+after a step or a load of whatever stays gathered; hpZ's secondary gathers copy the values
+the primary gather gave within a node (quantized ones serve only quantized gathers).
 
 qgZ (`zero_optimization.zero_quantized_gradients`, stage 3): a gradient bucket's rank-major
 send buffer `[world, total]` (prescaled as usual) has each row, the slice bound for one rank,
@@ -41,10 +43,21 @@ re-quantizes them and sends partial sum `i`, in an all-to-all among the `n` rank
 instead of `(n - 1) * p`. Bound: the first hop's `sum_r s_r / 2` plus the second hop's
 `sum_i s'_i / 2`, `s'_i` the scale of node i's partial-sum block.
 
-`zero_quantized_nontrainable_weights`: parameters with `requires_grad=False` gather with qwZ
-(even when `zero_quantized_weights` is off), from int8 codes made once and kept with the
-shard (`state.qwz_cache`), so frozen weights are quantized once, not at every gather. The
-full-precision shard is kept as well (checkpoints save it), so memory is not saved here.
+`zero_quantized_nontrainable_weights` ([Note: frozen weights stored quantized]): parameters
+with `requires_grad=False` when the engine is built keep their shard only as int8 codes and
+fp32 scales (`QuantizedShard`, the packed payload a qwZ gather sends, made once): the
+full-precision shard is freed, about 0.254x the bytes of an fp32 shard (1 byte per element
+plus 4 per 256) and 0.508x of a bf16 one. Their compute gathers send that payload as it is
+(even when `zero_quantized_weights` is off); every reader of the shard (`state.shard`, thus
+GatheredParameters, `ds_tensor`, checkpoints, zero_to_fp32, `save_16bit_model`) sees the
+dequantized values, off from the values the model was built with by at most
+`max|block| / 254` per element, once (gathers add no error of their own). Writers re-quantize:
+an edit written back by `GatheredParameters(modifier_rank=...)` and a checkpoint load go
+through `state.assign_shard` / `write_back`. A checkpoint therefore holds the dequantized
+values, what the model computed with; loading it re-quantizes them to the same codes. Not
+stored quantized: persistent parameters (small, kept gathered in full) and a frozen parameter
+gathered at the time the engine is built. A parameter unfrozen after `deepspeed.initialize`
+keeps the quantized values (and, as any, has no fp32 master: the optimizer never saw it).
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed.runtime.zero import gather
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from deepspeed.utils import groups
 
 BLOCK = 256  # elements per scale
@@ -125,19 +139,17 @@ class QuantizedGatherBucket(gather.GatherBucketBase):
 
     def _payload(self, device: torch.device) -> torch.Tensor:
         states = self.states
-        frozen = all(s.qwz_frozen for s in states)
-        key = (tuple(s.ds_id for s in states), tuple(s.shard_version for s in states), device)
-        cache = states[0].qwz_cache
-        if frozen and cache is not None and cache[0] == key:
-            return cache[1]  # frozen parameters' codes, made once (until an edit, a step or a load)
-        payload = _quantize_shards(states, gather._flat_input(states, device, self._end))
-        if frozen:
-            states[0].qwz_cache = (key, payload)
-        return payload
+        if all(s.stored is None for s in states):
+            return _quantize_shards(states, gather._flat_input(states, device, self._end))
+        pieces = [  # frozen weights stored quantized send their codes as they are
+            s.stored.payload.to(device) if s.stored is not None else _quantize_shards([s], s.shard.to(device))
+            for s in states
+        ]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def issue(self, device: torch.device, inflight: bool = True) -> None:
         states = self.states
-        self._dtype = states[0].shard.dtype
+        self._dtype = states[0].shard_dtype
         payload = self._payload(device)
         world = states[0].world_size
         self._out = torch.empty(world * payload.numel(), dtype=torch.int8, device=device)
@@ -151,21 +163,6 @@ class QuantizedGatherBucket(gather.GatherBucketBase):
         _dequantize_into(self._out, states, world, [d for fb in buffers for d in fb.dests])
         self._out = None
         return buffers
-
-    @staticmethod
-    def refresh(states: list) -> None:
-        """Re-gather the AVAILABLE `states` (one group and dtype) quantized, into their data in place."""
-        first, device = states[0], gather._compute_device()
-        payload = _quantize_shards(states, gather._flat_input(states, device))
-        out = torch.empty(first.world_size * payload.numel(), dtype=torch.int8, device=device)
-        dist.all_gather_into_tensor(out, payload, group=first.group)
-        dests = [
-            torch.empty(first.world_size, s.partition_size, dtype=s.shard.dtype, device=device)
-            for s in states
-        ]
-        _dequantize_into(out, states, first.world_size, dests)
-        for s, dest in zip(states, dests):
-            s.param.data.copy_(dest.view(-1)[: s.numel].view(s.shape))
 
 
 def _quantize_shards(states: list, flat_in: torch.Tensor) -> torch.Tensor:
@@ -186,19 +183,69 @@ def _dequantize_into(out: torch.Tensor, states: list, world: int, dests: list) -
 
 
 def attach(states: list, config: Any) -> None:
-    """Turn qwZ on for the states the config asks for (all, or the frozen ones)."""
+    """Turn qwZ on for the states the config asks for (all, or the frozen ones), and store the
+    frozen ones' shards quantized when `zero_quantized_nontrainable_weights` asks for it."""
     zero = config.zero_config
+    old_bases = {}
     for s in states:
+        if s.persist:
+            continue  # small, gathered once and kept: exact (see the note)
         frozen = not s.param.requires_grad
         if zero.zero_quantized_weights or (zero.zero_quantized_nontrainable_weights and frozen):
             s.qwz = QuantizedGatherBucket
             s.qwz_frozen = frozen and zero.zero_quantized_nontrainable_weights
+        if s.qwz_frozen and s.status is ZeroParamStatus.NOT_AVAILABLE and s.stored is None:
+            old_bases[id(s.shard_base)] = s.shard_base
+            s.store_compressed(QuantizedShard(s.shard))
+    _move_siblings(states, list(old_bases.values()))
 
 
-def drop_caches(states: list) -> None:
-    """Forget the frozen parameters' codes (after a step or a load: a shard may have changed)."""
+def _move_siblings(states: list, bases: list) -> None:
+    """Shards that shared a flat buffer with a now quantized one (a module's parameters lie back
+    to back in one, partition_parameters.py) move to a buffer of their own, so the old buffer,
+    full-precision copy of the frozen ones included, is freed. Runs before the optimizer makes
+    its masters (an fp32 master may share its shard's memory)."""
+    for base in bases:
+        rest = [s for s in states if s.stored is None and s.shard_base is base]
+        if not rest:
+            continue
+        flat = torch.zeros(sum(s.partition_size for s in rest), dtype=base.dtype, device=base.device)
+        if base.is_pinned():
+            flat = flat.pin_memory()
+        for s, view in zip(rest, flat.split([s.partition_size for s in rest])):
+            s.move_shard(view)
+
+
+class QuantizedShard:
+    """[Note: frozen weights stored quantized] One rank's shard kept as the packed int8 payload
+    (codes, then fp32 scales as bytes) of `_pack`: what `state.shard` dequantizes and what a
+    qwZ gather sends. `dtype`: the shard's dtype, what it dequantizes to."""
+
+    def __init__(self, shard: torch.Tensor) -> None:
+        self.dtype = shard.dtype
+        self.numel = shard.numel()
+        self.store(shard)
+
+    def store(self, values: torch.Tensor) -> None:
+        """Quantize `values` (`[numel]`) into the payload."""
+        self.payload = _pack(*quantize_rows(values.reshape(1, -1))).view(-1)
+
+    def dequantized(self) -> torch.Tensor:
+        return _unpack(self.payload.view(1, -1), self.numel).reshape(-1).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.numel()
+
+
+def partition_bytes(states: list) -> int:
+    """Bytes this rank keeps for the shards of `states` (a storage shared by several, once)."""
+    storages = {}
     for s in states:
-        s.qwz_cache = None
+        tensor = s.stored.payload if s.stored is not None else s.shard_base
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def check_config(config: Any) -> None:

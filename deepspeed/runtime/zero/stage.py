@@ -409,7 +409,6 @@ class ShardedParameters(ZeroStrategy):
         """Re-gather whatever stays gathered (persistent parameters, a live GatheredParameters),
         so no gathered tensor keeps old values; hpZ's secondary slices are dropped."""
         hpz.drop_secondaries(self.zero_states)
-        quantized.drop_caches(self.zero_states)
         gather.refresh_gathered(self.zero_states)
         gather.drop_pooled_buffers()  # between steps a rank keeps only what ZeRO-3 promises
 

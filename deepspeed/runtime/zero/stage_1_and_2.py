@@ -56,6 +56,7 @@ class ReplicatedShard:
     # A replicated parameter is always whole, so code written for stage-3 states (refreshing
     # whatever is gathered after its shard changed) treats it as gathered.
     status = ZeroParamStatus.AVAILABLE
+    stored = None  # stage-3 compatibility: never kept compressed (zero/quantized.py)
 
     def __init__(
         self, param: nn.Parameter, ds_id: int, group: Any, shard_out: torch.Tensor, base: torch.Tensor
@@ -73,6 +74,10 @@ class ReplicatedShard:
         self.shard_offset = shard_out.storage_offset() - base.storage_offset()
         self.shard_version = 0
         self.copy_from_param()
+
+    @property
+    def shard_dtype(self) -> torch.dtype:
+        return self.shard.dtype
 
     def own_slice_bounds(self) -> tuple:
         """`[start, end)` of this rank's real (non-padding) elements in the flat parameter."""
