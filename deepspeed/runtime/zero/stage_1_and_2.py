@@ -56,6 +56,7 @@ class ReplicatedShard:
     # A replicated parameter is always whole, so code written for stage-3 states (refreshing
     # whatever is gathered after its shard changed) treats it as gathered.
     status = ZeroParamStatus.AVAILABLE
+    swapper = None  # stage 3's NVMe partitions only (param_swap.py)
 
     def __init__(
         self, param: nn.Parameter, ds_id: int, group: Any, shard_out: torch.Tensor, base: torch.Tensor
