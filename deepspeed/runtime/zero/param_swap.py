@@ -281,12 +281,11 @@ class ParamSwapper:
         self.stats["read_ahead"] += 1
         return True
 
-    def flush(self) -> None:
-        """Write every changed resident partition to its file and wait (tests, benchmarks)."""
+    def swap_out_all(self) -> None:
+        """Write every changed resident partition to its file, wait, and free them all."""
+        self.finish_reads()
         for state in list(self.resident.values()):
-            if state.clean_version != state.resident._version:
-                self._write(state, state.resident)
-                state.clean_version = state.resident._version
+            self._evict(state)
         self.finish_writes()
 
     def close(self) -> None:
@@ -356,15 +355,15 @@ def check_setup(swappers: list, group: Any = None) -> None:
         if not bool(flags.any()):
             return
         messages: list = [None] * world
-        dist.all_gather_object(messages, None if failure is None else str(failure), group=group)
+        mine = None if failure is None else (isinstance(failure, SwapSpaceError), str(failure))
+        dist.all_gather_object(messages, mine, group=group)
     elif failure is None:
         return
     if failure is not None:
         raise failure
-    rank = next(r for r, m in enumerate(messages) if m is not None)
-    raise SwapSpaceError(
-        errno.EIO, f"NVMe parameter swapping failed to set up on rank {rank}: {messages[rank]}"
-    )
+    rank, (no_space, message) = next((r, m) for r, m in enumerate(messages) if m is not None)
+    text = f"NVMe parameter swapping failed to set up on rank {rank}: {message}"
+    raise SwapSpaceError(errno.ENOSPC, text) if no_space else RuntimeError(text)
 
 
 def read_ahead(trace: list, start: int) -> None:
