@@ -62,7 +62,15 @@ def _case(name: str, offload_param: dict, offload_optimizer: bool = False, **kwa
         extra["zero_force_ds_cpu_optimizer"] = False
     kwargs.setdefault("gas", 2)
     kwargs.setdefault("clip", 0.05)
-    return Case(name, zm.TokenMLP, zm.token_batch, zm.lm_loss, config_extra=extra, between=_edit_then_swap_out, **kwargs)
+    return Case(
+        name,
+        zm.TokenMLP,
+        zm.token_batch,
+        zm.lm_loss,
+        config_extra=extra,
+        between=_edit_then_swap_out,
+        **kwargs,
+    )
 
 
 def _swapper(engine):
@@ -104,7 +112,10 @@ def _parity(tmp: Path) -> None:
 def _checkpoints(tmp: Path) -> None:
     """NVMe -> no NVMe -> NVMe: every load gives the saved parameters, and training goes on
     exactly as without the round trip. Swap files never land in the checkpoint folder."""
-    nvme_case, plain_case = _case("nvme", _swapping(tmp), clip=0.0), _case("plain", {"device": "none"}, clip=0.0)
+    nvme_case, plain_case = (
+        _case("nvme", _swapping(tmp), clip=0.0),
+        _case("plain", {"device": "none"}, clip=0.0),
+    )
     data = nvme_case.micro_batches(2)  # 3 steps
     first = run_engine(nvme_case, data[:2])
     first.engine.save_checkpoint(str(tmp / "ckpt"), tag="nvme")
@@ -171,13 +182,19 @@ class TestParamSwapTwoRanks(DistributedTest):
         """A zoo model at stage 3 with parameters swapped to NVMe trains as plain PyTorch does."""
         offload = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4, "max_in_cpu": 2000}
         extra = {"zero_optimization": {"offload_param": offload, "stage3_prefetch_bucket_size": 2000}}
-        got, _ = check_parity(Case("llama_nvme_param", zm.llama, zm.token_batch, zm.hf_causal_loss, config_extra=extra))
+        got, _ = check_parity(
+            Case("llama_nvme_param", zm.llama, zm.token_batch, zm.hf_causal_loss, config_extra=extra)
+        )
         assert _swapper(got.engine).stats["writes"] > 0
         got.engine.destroy()
 
 
 def test_config_needs_nvme_path_and_init_needs_the_block():
-    with pytest.raises(DeepSpeedConfigError, match=r"offload_param\.device='nvme' needs .*offload_param\.nvme_path"):
+    with pytest.raises(
+        DeepSpeedConfigError, match=r"offload_param\.device='nvme' needs .*offload_param\.nvme_path"
+    ):
         get_zero_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
-    with pytest.raises(ValueError, match=r"remote_device='nvme' needs zero_optimization\.offload_param\.nvme_path"):
+    with pytest.raises(
+        ValueError, match=r"remote_device='nvme' needs zero_optimization\.offload_param\.nvme_path"
+    ):
         deepspeed.zero.Init(remote_device="nvme")

@@ -71,13 +71,20 @@ def _key(state: ZeroParamState) -> str:
 class ParamSwapper:
     """The files, the staging pool and the resident set of one Init's swapped partitions."""
 
-    def __init__(self, nvme_path, buffer_count: int, buffer_size: int, max_in_cpu: int, aio: AioSettings) -> None:
+    def __init__(
+        self, nvme_path, buffer_count: int, buffer_size: int, max_in_cpu: int, aio: AioSettings
+    ) -> None:
         if buffer_count < 1 or buffer_size < 1:
             raise ValueError(
                 f"zero_optimization.offload_param: buffer_count={buffer_count} and buffer_size={buffer_size} "
                 "must both be >= 1 with device 'nvme'"
             )
-        self.buffer_count, self.buffer_size, self.max_in_cpu, self.aio = buffer_count, buffer_size, max_in_cpu, aio
+        self.buffer_count, self.buffer_size, self.max_in_cpu, self.aio = (
+            buffer_count,
+            buffer_size,
+            max_in_cpu,
+            aio,
+        )
         self.failure: Optional[OSError] = None  # a set-up error, raised on every rank by check_setup
         self.store: Optional[SwapStore] = None
         try:
@@ -89,7 +96,9 @@ class ParamSwapper:
         self.resident_elems = 0
         self.reading: dict = {}  # ds_id -> (state, buffer index): reads in flight
         self.writing: dict = {}  # ds_id -> buffer index: writes in flight
-        self.stats = collections.Counter()  # reads, writes, read_ahead, bytes_read, bytes_written
+        self.stats = (
+            collections.Counter()
+        )  # reads, writes, read_ahead, bytes_read/_written, peak_resident_elems
 
     # ---- set-up -------------------------------------------------------------------------
     def adopt(self, state: ZeroParamState) -> None:
@@ -164,6 +173,8 @@ class ParamSwapper:
     def _add_resident(self, state: SwappedParamState) -> None:
         self.resident[state.ds_id] = state
         self.resident_elems += state.partition_size
+        if self.resident_elems > self.stats["peak_resident_elems"]:  # the cap is enforced just after
+            self.stats["peak_resident_elems"] = self.resident_elems
 
     def _forget(self, state: SwappedParamState) -> None:
         """Drop whatever `state` has in memory or in flight (it is being replaced)."""
@@ -208,7 +219,9 @@ class ParamSwapper:
         self.finish_reads()
         old = self.pool.nbytes if self.pool is not None else 0
         self.pool = None  # its locked buffers go before the new ones are made
-        self.pool = PinnedBufferPool(self.buffer_count, max(nbytes, min(2 * old, self.buffer_size * itemsize)), self.aio)
+        self.pool = PinnedBufferPool(
+            self.buffer_count, max(nbytes, min(2 * old, self.buffer_size * itemsize)), self.aio
+        )
 
     def _read_now(self, state: SwappedParamState) -> None:
         key = _key(state)

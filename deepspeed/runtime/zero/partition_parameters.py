@@ -463,7 +463,11 @@ class Init:
         self.remote_device = remote_device
         self.pin_memory = pin_memory
         zero = cfg.zero() if enabled else None
-        self._swap = param_swap.SwapSetup(zero, (cfg._raw or {}).get("aio")) if zero and remote_device == "nvme" else None
+        self._swap = (
+            param_swap.SwapSetup(zero, (cfg._raw or {}).get("aio"))
+            if zero and remote_device == "nvme"
+            else None
+        )
         self.sanity_checks = bool(zero.enable_sanity_checks) if zero is not None else False
         self.override_module_apply = bool(zero.override_module_apply) if zero is not None else True
         self.group = self._choose_group(data_parallel_group, mpu, sequence_data_parallel_group)
