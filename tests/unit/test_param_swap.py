@@ -73,10 +73,14 @@ def _case(name: str, offload_param: dict, offload_optimizer: bool = False, **kwa
     )
 
 
-def _swapper(engine):
-    found = param_swap.swappers_of([p._zero_state for p in engine.module.parameters()])
+def _swapper_of(model):
+    found = param_swap.swappers_of([p._zero_state for p in model.parameters()])
     assert len(found) == 1
     return found[0]
+
+
+def _swapper(engine):
+    return _swapper_of(engine.module)
 
 
 def _assert_same(a, b) -> None:
@@ -160,6 +164,25 @@ def _failures(tmp: Path) -> None:
         initialize(small, build(small, zero=True))
 
 
+def _init_remote_nvme(tmp: Path) -> None:
+    """zero.Init(remote_device="nvme") takes the folder and knobs from the config's block (here
+    with device "cpu", as Lightning writes it) and writes partitions out as modules are built."""
+    block = {"device": "cpu", "nvme_path": str(tmp), "buffer_size": LARGEST, "max_in_cpu": 0}
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": 3, "offload_param": block}}
+    torch.manual_seed(3)
+    with deepspeed.zero.Init(remote_device="nvme", config_dict_or_path=config):
+        swapped = zm.TokenMLP()
+    torch.manual_seed(3)
+    with deepspeed.zero.Init(remote_device="cpu", config_dict_or_path=config):
+        resident = zm.TokenMLP()
+    states = [p._zero_state for p in swapped.parameters()]
+    assert all(isinstance(s, param_swap.SwappedParamState) for s in states)
+    swapper = _swapper_of(swapped)
+    assert swapper.resident_elems <= LARGEST and swapper.stats["writes"] >= len(states) - 1
+    want = gathered(resident)
+    assert all(torch.equal(want[n], t) for n, t in gathered(swapped).items())
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -176,6 +199,7 @@ class TestParamSwapTwoRanks(DistributedTest):
         tmp = tmp_path  # one path in every rank's config; each rank swaps into a folder of its own
         _parity(tmp)
         _checkpoints(tmp)
+        _init_remote_nvme(tmp)
         _failures(tmp)
 
     def test_zoo_llama_against_pytorch(self, tmp_path):

@@ -337,6 +337,17 @@ class SwapSetup:
         self.aio = AioSettings.from_block(aio_block)
         self._swapper: Optional[ParamSwapper] = None
 
+    @classmethod
+    def of(cls, zero: Any, raw: Optional[dict], remote_device: Optional[str]) -> Optional[SwapSetup]:
+        """The setup of an Init whose partitions go to NVMe (zero: its typed section), else None."""
+        if zero is None or remote_device != "nvme":
+            return None
+        return cls(zero, (raw or {}).get("aio"))
+
+    def check(self, group: Any) -> None:
+        """Raise on every rank of `group` if this Init's swapping failed to set up on any."""
+        check_setup([self.swapper()], group)
+
     def swapper(self) -> ParamSwapper:
         if self._swapper is None:
             o = self.offload

@@ -445,7 +445,10 @@ class Init:
                 "zero_quantized_nontrainable_weights)"
             )
         if param_swapper is not None:
-            raise NotImplementedError("zero.Init: param_swapper (NVMe offload) is not supported; pass None")
+            raise NotImplementedError(
+                "zero.Init: param_swapper is not supported; pass None (NVMe swapping comes from remote_device='nvme' "
+                "with the config's zero_optimization.offload_param block)"
+            )
         if remote_device not in _SUPPORTED_REMOTE_DEVICES:
             raise ValueError(
                 f"zero.Init: remote_device={remote_device!r} is not supported; use None (shards on the "
@@ -463,11 +466,7 @@ class Init:
         self.remote_device = remote_device
         self.pin_memory = pin_memory
         zero = cfg.zero() if enabled else None
-        self._swap = (
-            param_swap.SwapSetup(zero, (cfg._raw or {}).get("aio"))
-            if zero and remote_device == "nvme"
-            else None
-        )
+        self._swap = param_swap.SwapSetup.of(zero, cfg._raw, remote_device)  # None unless "nvme"
         self.sanity_checks = bool(zero.enable_sanity_checks) if zero is not None else False
         self.override_module_apply = bool(zero.override_module_apply) if zero is not None else True
         self.group = self._choose_group(data_parallel_group, mpu, sequence_data_parallel_group)
@@ -502,7 +501,8 @@ class Init:
         settings = _InitSettings(self)
         for sub in module.modules():
             _convert_module_with(sub, settings)
-        self._check_swap(True)
+        if self._swap is not None:  # every rank raises a swap set-up failure, none hangs
+            self._swap.check(self.group)
 
     def start(self) -> Init:
         """Start partitioning modules as they are built; returns `self`."""
@@ -517,24 +517,21 @@ class Init:
             raise
         return self
 
-    def stop(self, _check_swap: bool = True) -> None:
+    def stop(self) -> None:
         """Stop partitioning; the last active Init removes every patch."""
         if self._tracker.active and self.enabled:
             _INIT_STACK.check_top(self)
         self._tracker.end()
         if self.enabled:
             _INIT_STACK.pop(self)
-        self._check_swap(_check_swap)
-
-    def _check_swap(self, check: bool) -> None:
-        if check and self._swap is not None:  # every rank raises a swap set-up failure, none hangs
-            param_swap.check_setup([self._swap.swapper()], self.group)
+        if self._swap is not None and sys.exc_info()[0] is None:  # not while a `with` body's error
+            self._swap.check(self.group)  # propagates: the other ranks may be elsewhere
 
     def __enter__(self) -> Init:
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.stop(_check_swap=exc_type is None)  # after an error, the other ranks may be elsewhere
+        self.stop()
 
 
 # ============================================================================ GatheredParameters
