@@ -180,6 +180,8 @@ class ParamSwapper:
         """Drop whatever `state` has in memory or in flight (it is being replaced)."""
         if state.ds_id in self.reading:
             self.finish_reads()
+        if state.ds_id in self.writing:
+            self.finish_writes()  # its file may be replaced (a larger dtype) before the write lands
         if self.resident.pop(state.ds_id, None) is not None:
             self.resident_elems -= state.partition_size
         state.resident = None
