@@ -670,10 +670,22 @@ def test_partial_offload_needs_stage_3():
         zero({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
 
 
-def test_nvme_is_refused_with_or_without_a_path():
-    for block in ({"device": "nvme"}, {"device": "nvme", "nvme_path": "/local_nvme"}):
-        with pytest.raises(ValueError, match=r"offload_param\.device='nvme' is not supported.*NVMe offload"):
-            zero({"stage": 3, "offload_param": block})
+def test_nvme_param_offload_needs_a_path_and_stage_3():
+    with pytest.raises(
+        ValueError, match=r"offload_param\.device='nvme' needs zero_optimization\.offload_param\.nvme_path"
+    ):
+        zero({"stage": 3, "offload_param": {"device": "nvme"}})
+    block = {
+        "device": "nvme",
+        "nvme_path": "/local_nvme",
+        "buffer_count": 2,
+        "buffer_size": 10,
+        "max_in_cpu": 0,
+    }
+    parsed = zero({"stage": 3, "offload_param": block}).offload_param
+    assert (parsed.buffer_count, parsed.buffer_size, parsed.max_in_cpu) == (2, 10, 0)
+    with pytest.raises(ValueError, match=r"offload_param\.device='nvme' needs stage 3.*got stage 2"):
+        zero({"stage": 2, "offload_param": block})
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

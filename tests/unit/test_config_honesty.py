@@ -69,8 +69,8 @@ READERS = {
     "scheduler.type": "scheduler_name",
     "scheduler.params": "scheduler_params",
     "zero_optimization.stage": "zero_optimization_stage",
-    "zero_optimization.offload_param.device": "_offload_from_config",  # zero.Init reads the dict
-    "zero_optimization.offload_param.pin_memory": "_offload_from_config",
+    "zero_optimization.offload_param.device": "offload_from_config",  # zero.Init reads the dict
+    "zero_optimization.offload_param.pin_memory": "offload_from_config",
 }
 
 # A realistic refused value per key where the generic one would not show the point.

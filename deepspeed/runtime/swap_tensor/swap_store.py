@@ -143,6 +143,15 @@ class SwapStore:
             os.close(fd)
         self._capacity[key] = size
 
+    def capacity(self, key: str) -> int:
+        """Bytes reserved for `key` (a multiple of 4096), 0 when it has no file."""
+        return self._capacity.get(key, 0)
+
+    def release(self, key: str) -> None:
+        """Remove `key`'s file (its tensor changed size); wait for any I/O on it first."""
+        if self._capacity.pop(key, None) is not None:
+            os.remove(self.path(key))
+
     def reserved_bytes(self) -> int:
         return sum(self._capacity.values())
 
@@ -251,6 +260,10 @@ class PinnedBufferPool:
             )
         index = self._free.pop()
         return index, self._buffers[index]
+
+    def buffer(self, index: int) -> torch.Tensor:
+        """The whole buffer `index` (out of the pool), as `acquire` handed it out."""
+        return self._buffers[index]
 
     def release(self, index: int) -> None:
         if index in self._free or not 0 <= index < len(self._buffers):

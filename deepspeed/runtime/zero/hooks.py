@@ -107,7 +107,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from deepspeed.runtime.zero import gather
+from deepspeed.runtime.zero import gather, param_swap
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from deepspeed.runtime.zero.parameter import ACCESS_HOOK, is_zero_param, zero_params_in
 from deepspeed.runtime.zero.partition_parameters import (
@@ -246,6 +246,7 @@ class _Prefetcher:
         self.held: dict = {}  # ds_id -> state the prefetcher holds
         self.held_elems = 0
         self.prefetched = 0  # parameters gathered ahead of use, for tests and benchmarks
+        self.swapping = False  # NVMe: some traced partition swaps (read_ahead has work)
 
     def __repr__(self) -> str:
         return "prefetcher"
@@ -268,6 +269,7 @@ class _Prefetcher:
 
     def finish_recording(self) -> None:
         self.trace_phase = TracePhase.REPLAYING
+        self.swapping = any(s.swapper is not None for entry in self.trace for s in entry)
         total = 0
         for index, entry in enumerate(self.trace):
             self.elems_before.append(total)
@@ -341,6 +343,11 @@ class _Prefetcher:
             wanted.sort(key=_ds_id)  # the gather's order (already so within one submodule)
             gather.fetch_states(wanted, self, async_op=True, quantized=True)
             self.prefetched += len(wanted)
+
+    def read_ahead(self) -> None:
+        """NVMe: issue reads of the partitions the trace fetches next ([Note: a swapped shard])."""
+        if self.swapping:
+            param_swap.read_ahead(self.trace, max(self.position, self.scanned))
 
     def end_pass(self) -> None:
         if self.held:
@@ -467,6 +474,7 @@ class ParameterCoordinator:
         self.prefetcher.hand_over(hold.states)
         self.prefetcher.record_or_advance(hold.states)
         self.prefetcher.prefetch_next()
+        self.prefetcher.read_ahead()
         for s in hold.states:
             s.active_sub_modules.add(id(hold.module))
 

@@ -35,7 +35,7 @@ class ZeroParamStatus(enum.Enum):
 class ZeroParamType(enum.Enum):
     NORMAL = 1
     PARTITIONED = 2
-    REMOTE = 3  # the shard lives off the compute device (remote_device="cpu")
+    REMOTE = 3  # the shard lives off the compute device (remote_device "cpu" or "nvme")
 
 
 def shard_sizes(numel: int, world_size: int) -> tuple:
@@ -89,6 +89,7 @@ class ZeroParamState:
     secondary: Optional[torch.Tensor]  # hpZ: this rank's slice of the secondary partition, or None
     qwz: Any  # qwZ: the quantized gather's bucket class (quantized.py) when it is on, else None
     qwz_frozen: bool  # zero_quantized_nontrainable_weights: its shard is `stored` as int8 codes
+    swapper: Any = None  # NVMe: the ParamSwapper its partition swaps through (param_swap.py)
 
     def __init__(
         self,
@@ -132,7 +133,7 @@ class ZeroParamState:
         """State for a deep copy of `source`'s parameter: a new ds_id, a cloned shard, partitioned.
         Deep copies happen in the same order on every rank (`nn.TransformerEncoder` cloning its
         layer under Init), so the new ds_ids agree across ranks."""
-        state = cls.__new__(cls)
+        state = type(source).__new__(type(source))  # a swapped state's copy swaps too
         state.__dict__.update(source.__dict__)
         state.param = param
         state.ds_id = next(PARAM_IDS)
@@ -176,7 +177,7 @@ class ZeroParamState:
     def assign_shard(self, values: torch.Tensor) -> None:
         """Set the whole shard (`[partition_size]`) in place, re-compressing a stored one."""
         if self.stored is None:
-            self._shard.copy_(values)
+            self.shard.copy_(values)  # through the property: a swapped shard reads itself in
         else:
             self.stored.store(values)
 

@@ -7,7 +7,7 @@ import enum
 from pathlib import Path
 from typing import ClassVar, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, Unsupported
 
@@ -48,38 +48,46 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     """`zero_optimization.offload_param`: keep partitioned parameters off the accelerator.
 
     Valid only with stage 3. `device` "cpu" and `pin_memory` are acted on by `zero.Init` (which
-    the engine also runs on a model built without it); ``device: "nvme"`` is refused, so the
-    NVMe tuning keys parse with any value and change nothing (as upstream with "cpu").
+    the engine also runs on a model built without it); ``device: "nvme"`` swaps each partition
+    to a file under `nvme_path` (runtime/zero/param_swap.py; docs/nvme.md), staged through
+    `buffer_count` buffers of at most `buffer_size` elements, with at most `max_in_cpu`
+    partition elements resident in host memory.
     """
 
-    _unsupported: ClassVar[dict[str, Unsupported]] = {
-        "device": Unsupported(
-            "NVMe offload is not implemented; use 'cpu' or 'none'",
-            lambda device: device != OffloadDeviceEnum.nvme,
-        ),
-    }
-    _no_effect: ClassVar[dict[str, str]] = {
-        name: _nvme_tuning(name) for name in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")
-    }
+    _unsupported: ClassVar[dict[str, Unsupported]] = {}
+    _no_effect: ClassVar[dict[str, str]] = {}
 
     device: OffloadDeviceEnum = OffloadDeviceEnum.none
     """Where parameter shards live: "none" (the accelerator), "cpu" or "nvme"."""
 
     nvme_path: Optional[Path] = None
-    """Directory on the NVMe drive used when `device` is "nvme"."""
+    """Directory on the NVMe drive used when `device` is "nvme" (required then); the swap files
+    go in a private folder under `<nvme_path>/zero_swap/`, removed when the process ends."""
 
     buffer_count: int = Field(5, ge=0)
-    """Number of buffers in the pool that stages parameters to and from NVMe."""
+    """NVMe: staging buffers in the pool every partition read and write goes through (>= 1);
+    reads ahead of use are issued while one is free."""
 
     buffer_size: int = Field(int(1e8), ge=0)
-    """Size in elements of each NVMe staging buffer."""
+    """NVMe: the most elements one staging buffer holds; a partition larger than this is an
+    error naming the size needed. Buffers are sized to the largest partition, up to this."""
 
     max_in_cpu: int = Field(int(1e9), ge=0)
-    """Number of parameter elements kept in CPU memory when offloading to NVMe."""
+    """NVMe: the most partition elements kept resident in host memory (least recently used
+    are written out first; 0 keeps only what is in use)."""
 
     pin_memory: bool = True
     """Use page-locked CPU memory where the accelerator pins: faster copies, at the cost of
-    pinned host memory (upstream's default, True)."""
+    pinned host memory (upstream's default, True). "nvme" pins only its staging buffers."""
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> "DeepSpeedZeroOffloadParamConfig":
+        if self.device == OffloadDeviceEnum.nvme and self.nvme_path is None:
+            raise ValueError(
+                "zero_optimization.offload_param.device='nvme' needs zero_optimization.offload_param.nvme_path: "
+                "set it to a folder on the drive to swap parameters to"
+            )
+        return self
 
 
 class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):

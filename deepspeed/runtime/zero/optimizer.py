@@ -292,9 +292,10 @@ class ZeroStage3Optimizer(ZeROOptimizer):
 
     def _make_master(self, state: ZeroParamState, device: Optional[torch.device]) -> nn.Parameter:
         target = torch.device(device) if device is not None else state.shard.device
-        if state.shard.dtype == torch.float32 and state.shard.device == target:
+        if state.shard.dtype == torch.float32 and state.shard.device == target and state.swapper is None:
             # fp32 training: the shard already is this rank's fp32 slice; the master shares it
             # (4 bytes per parameter less) and the write-back after a step has nothing to copy.
+            # A partition swapped to NVMe is not always in memory: its master is a copy.
             master = nn.Parameter(state.shard.detach())
         else:
             data = state.shard.detach().to(target, torch.float32, copy=True)
@@ -615,7 +616,9 @@ class ZeroStage3Optimizer(ZeROOptimizer):
     def _write_back_masters(self) -> None:
         for state in self.states:
             master = self.masters[state.ds_id]
-            if master.data_ptr() != state.shard.data_ptr():  # not shared (see _make_master)
+            if state.swapper is not None:  # written out when evicted; never read just to overwrite
+                state.swapper.overwrite(state, master.data)
+            elif master.data_ptr() != state.shard.data_ptr():  # not shared (see _make_master)
                 copy_cast(state.shard, master.data)
 
     def get_global_grad_norm(self) -> Union[torch.Tensor, float, None]:

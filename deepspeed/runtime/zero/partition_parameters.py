@@ -31,7 +31,7 @@ from deepspeed import comm as dist
 from deepspeed import process_state
 from deepspeed.accelerator import get_accelerator  # noqa: F401 - an upstream name clients read here
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
-from deepspeed.runtime.zero import gather
+from deepspeed.runtime.zero import gather, param_swap
 from deepspeed.runtime.zero.gather import MultipleAllGatherHandles  # noqa: F401 - upstream name
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus, ZeroParamType, shard_sizes
 from deepspeed.runtime.zero.linear import TORCH_LINEAR_MARK
@@ -71,7 +71,7 @@ __all__ = [
 # The shape of `param.data` while a parameter is partitioned (upstream's constant).
 partitioned_param_data_shape = [0]
 
-_SUPPORTED_REMOTE_DEVICES = (None, "none", "cpu")
+_SUPPORTED_REMOTE_DEVICES = (None, "none", "cpu", "nvme")
 # Freeing at least this much after converting a module is worth asking the allocator to trim.
 _TRIM_AFTER_BYTES = 1 << 20
 
@@ -103,9 +103,8 @@ def _load_config(config_dict_or_path: Any) -> _InitConfig:
 
     if isinstance(config_dict_or_path, DeepSpeedConfig):
         config = config_dict_or_path
-        return _InitConfig(
-            _train_dtype(config.bfloat16_enabled, config.fp16_enabled), zero=config.zero_config
-        )
+        dtype = _train_dtype(config.bfloat16_enabled, config.fp16_enabled)
+        return _InitConfig(dtype, zero=config.zero_config, raw=config._param_dict)
     cfg = _read_config_dict(config_dict_or_path)
     bf16 = cfg.get("bf16", cfg.get("bfloat16", {})) or {}  # the `enabled` switches as written
     return _InitConfig(
@@ -142,22 +141,13 @@ def _read_config_dict(config_dict_or_path: Any) -> dict:
     )
 
 
-def _offload_from_config(cfg: _InitConfig, pin_memory: bool) -> tuple:
-    """`(remote_device, pin_memory)` from `zero_optimization.offload_param`, as upstream reads it:
-    `pin_memory` keeps the argument's value unless the block sets it. ``device: "nvme"`` is
-    refused by the typed section, naming `zero_optimization.offload_param.device`."""
-    offload = cfg.zero().offload_param
-    if offload is None or offload.device != "cpu":
-        return None, pin_memory
-    return "cpu", bool(offload.pin_memory) if "pin_memory" in offload.model_fields_set else pin_memory
-
-
 class _InitSettings:
     """What an active Init applies to modules built under it (the innermost one governs)."""
 
     dtype: torch.dtype
     device: torch.device  # where parameters are created and gathered
     remote_device: Optional[str]  # where shards live; None: on `device`
+    swapper: Any  # NVMe: the ParamSwapper the shards swap through (param_swap.py), else None
     pin_memory: bool
     group: Any  # the partition process group (None: the world)
     broadcast_group: Any  # whose rank 0 gives every initial value (the group, or the world for MiCS)
@@ -172,7 +162,8 @@ class _InitSettings:
         accelerator = get_accelerator()
         self.dtype = init.dtype
         self.device = torch.device(accelerator.current_device_name())
-        self.remote_device = None if init.remote_device in (None, "none") else init.remote_device
+        self.swapper = init._swap.swapper() if init._swap is not None else None  # resident shards: CPU
+        self.remote_device = None if init.remote_device in (None, "none") else "cpu"
         self.pin_memory = bool(init.pin_memory) and self.remote_device == "cpu"
         # MiCS (docs/hierarchical.md): a shard group; every replica starts from rank 0's values.
         mics = mics_layout_for(init.mics_config) if init.group is None else None
@@ -327,6 +318,8 @@ def convert_params(
     shard_views = _flat_shard_views(params, settings, accelerator)
     for p, view in zip(params, shard_views):
         make_zero_param(p, settings.group, settings.world_size, settings.rank, settings.remote_device, view)
+        if settings.swapper is not None:
+            settings.swapper.adopt(p._zero_state)  # [Note: a swapped shard] in param_swap.py
         p._zero_state.sanity_checks = settings.sanity_checks
         gather.partition_new_state(p._zero_state)
     if sum(p.ds_numel * p.element_size() for p in params) >= _TRIM_AFTER_BYTES:
@@ -339,6 +332,8 @@ def _flat_shard_views(params: list, settings: _InitSettings, accelerator) -> lis
     A module's shards then sit next to each other, so gathering the module (what the engine
     does) feeds the all-gather a view instead of concatenating (see gather.py).
     """
+    if settings.swapper is not None:
+        return [None] * len(params)  # own tensors: each partition swaps alone
     device = torch.device(settings.remote_device) if settings.remote_device else settings.device
     sizes = [shard_sizes(p.numel(), settings.world_size)[0] for p in params]
     views: list = [None] * len(params)
@@ -376,11 +371,7 @@ def cast_partitioned(module: nn.Module, dtype: torch.dtype) -> None:
                 f"cannot cast parameters ds_id={busy} of {type(sub).__name__} to {dtype}: they are gathered; "
                 "stop every GatheredParameters over the model before deepspeed.initialize"
             )
-        sizes = [s.partition_size for s in states]
-        flat = torch.zeros(sum(sizes), dtype=dtype, device=states[0].shard.device)
-        if states[0].shard.is_pinned():
-            flat = flat.pin_memory()
-        for s, view in zip(states, torch.split(flat, sizes)):
+        for s, view in zip(states, param_swap.retype_targets(states, dtype)):
             s.retype_shard(view)
 
 
@@ -454,11 +445,14 @@ class Init:
                 "zero_quantized_nontrainable_weights)"
             )
         if param_swapper is not None:
-            raise NotImplementedError("zero.Init: param_swapper (NVMe offload) is not supported; pass None")
+            raise NotImplementedError(
+                "zero.Init: param_swapper is not supported; pass None (NVMe swapping comes from remote_device='nvme' "
+                "with the config's zero_optimization.offload_param block)"
+            )
         if remote_device not in _SUPPORTED_REMOTE_DEVICES:
             raise ValueError(
                 f"zero.Init: remote_device={remote_device!r} is not supported; use None (shards on the "
-                "compute device) or 'cpu'"
+                "compute device), 'cpu' or 'nvme'"
             )
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(
@@ -466,12 +460,13 @@ class Init:
             )
         cfg = _load_config(config_dict_or_path if config_dict_or_path is not None else config)
         if remote_device is None:
-            remote_device, pin_memory = _offload_from_config(cfg, pin_memory)
+            remote_device, pin_memory = param_swap.offload_from_config(cfg.zero(), pin_memory)
         self.enabled = enabled
         self.dtype = dtype if dtype is not None else cfg.dtype
         self.remote_device = remote_device
         self.pin_memory = pin_memory
         zero = cfg.zero() if enabled else None
+        self._swap = param_swap.SwapSetup.of(zero, cfg._raw, remote_device)  # None unless "nvme"
         self.sanity_checks = bool(zero.enable_sanity_checks) if zero is not None else False
         self.override_module_apply = bool(zero.override_module_apply) if zero is not None else True
         self.group = self._choose_group(data_parallel_group, mpu, sequence_data_parallel_group)
@@ -506,6 +501,8 @@ class Init:
         settings = _InitSettings(self)
         for sub in module.modules():
             _convert_module_with(sub, settings)
+        if self._swap is not None:  # every rank raises a swap set-up failure, none hangs
+            self._swap.check(self.group)
 
     def start(self) -> Init:
         """Start partitioning modules as they are built; returns `self`."""
@@ -527,6 +524,8 @@ class Init:
         self._tracker.end()
         if self.enabled:
             _INIT_STACK.pop(self)
+        if self._swap is not None and sys.exc_info()[0] is None:  # not while a `with` body's error
+            self._swap.check(self.group)  # propagates: the other ranks may be elsewhere
 
     def __enter__(self) -> Init:
         return self.start()

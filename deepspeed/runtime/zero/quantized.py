@@ -194,7 +194,10 @@ def attach(states: list, config: Any) -> None:
         if zero.zero_quantized_weights or (zero.zero_quantized_nontrainable_weights and frozen):
             s.qwz = QuantizedGatherBucket
             s.qwz_frozen = frozen and zero.zero_quantized_nontrainable_weights
-        if s.qwz_frozen and s.status is ZeroParamStatus.NOT_AVAILABLE and s.stored is None:
+        # A partition that swaps to NVMe is already out of host memory: it swaps at its own
+        # precision (quantized only for the gather) rather than being stored as int8 codes.
+        swaps = getattr(s, "swapper", None) is not None
+        if s.qwz_frozen and s.status is ZeroParamStatus.NOT_AVAILABLE and s.stored is None and not swaps:
             old_bases[id(s.shard_base)] = s.shard_base
             s.store_compressed(QuantizedShard(s.shard))
     _move_siblings(states, list(old_bases.values()))

@@ -25,7 +25,7 @@ from torch import nn
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero import gather, hpz, quantized
+from deepspeed.runtime.zero import gather, hpz, param_swap, quantized
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from deepspeed.runtime.zero.linear import route_linears
@@ -339,6 +339,9 @@ class ShardedParameters(ZeroStrategy):
             Init(module=module, dtype=dtype, config_dict_or_path=self.config)
         check_mics_partitioning(module, self.mics)
         cast_partitioned(module, dtype)  # parts built under an Init of another dtype
+        swappers = param_swap.swappers_of(gather.zero_states(module.parameters()))
+        if swappers:  # the same model on every rank: all of them check, or none
+            param_swap.check_setup(swappers)  # a full disk on one rank raises on all
         cast_in_place(module.buffers(), dtype)
         route_linears(module)  # [Note: what autograd keeps of a gathered weight] in zero/linear.py
         _mark_fine_grained_leaves(module, zero.module_granularity_threshold)

@@ -57,6 +57,7 @@ class ReplicatedShard:
     # whatever is gathered after its shard changed) treats it as gathered.
     status = ZeroParamStatus.AVAILABLE
     stored = None  # stage-3 compatibility: never kept compressed (zero/quantized.py)
+    swapper = None  # stage 3's NVMe partitions only (param_swap.py)
 
     def __init__(
         self, param: nn.Parameter, ds_id: int, group: Any, shard_out: torch.Tensor, base: torch.Tensor
