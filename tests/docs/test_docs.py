@@ -37,6 +37,10 @@ def run_page(page: str, out: Path) -> list:
     else:
         cmd = [sys.executable, RUNNER, page, "--out", str(out)]
     env = clean_env()
+    if page not in TWO_RANK_PAGES:
+        # A one-process page's init_distributed would otherwise rendezvous on 29500: busy there
+        # must not fail it.
+        env["MASTER_PORT"] = str(get_free_port())
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"{page}: exit {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"

@@ -107,7 +107,8 @@ class ParamSwapper:
     # ---- set-up -------------------------------------------------------------------------
     def adopt(self, state: ZeroParamState) -> None:
         """Make `state`'s partition swap: its class changes, its file is reserved."""
-        shard = state.__dict__.pop("shard")
+        assert state.stored is None, "a partition stored as int8 codes is never swapped (quantized.attach)"
+        shard = state.__dict__.pop("_shard")
         state.__dict__.pop("shard_base", None)
         state.__class__ = SwappedParamState
         state.swapper, state.resident, state.clean_version = self, None, None
