@@ -652,7 +652,7 @@ class GatheredParameters:
         if not self._states:
             return self  # disabled, or no ZeRO parameter: nothing to gather
         try:
-            if any(s.sanity_checks for s in self._states):
+            if any([s.sanity_checks for s in self._states]):  # a list: faster than a generator
                 # The all-gather's sizes come from the caller's list: ranks must pass the same one.
                 check_agreement(
                     "GatheredParameters.start(): the parameters to gather",
@@ -718,7 +718,7 @@ class GatheredParameters:
                         f"{self._describe()}: the body raised or replaced a parameter on rank(s) {failed}; "
                         "the edits were discarded on every rank (see the error on those ranks)"
                     )
-            elif any(s.sanity_checks for s in states):
+            elif any([s.sanity_checks for s in states]):
                 self._raise_on_discarded_edits(states)
         finally:
             self._hold.handle = None
