@@ -34,6 +34,13 @@ def _run(script: str, *args: str, timeout: float = 120) -> str:
 def test_bench_gather_quick(tmp_path):
     out = _run("bench_gather.py", "--json", str(tmp_path / "gather.json"))
     assert "start/stop ms" in out and "start_stop/raw" in out
+
+
+@pytest.mark.timeout(150)
+def test_bench_gather_layouts_quick():
+    out = _run("bench_gather_layouts.py", "--params", "1,10")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["10"])]
+    assert len(rows) == 2 and all(len(row) == 1 + 2 * 9 for row in rows), out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["10"], ["100"])]
     assert [r[0] for r in rows] == ["1", "10", "100"], out
     report = json.loads((tmp_path / "gather.json").read_text())
