@@ -46,7 +46,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _launch  # noqa: E402 - the benchmarks folder is not a package
 from bench_gather import ParamBank, _timed, param_shapes  # noqa: E402
 
-VARIANTS = ("raw", "flat", "split", "concat", "copy_floor", "gloo_raw", "gloo_list", "gloo_coal", "start_stop")
+VARIANTS = (
+    "raw",
+    "flat",
+    "split",
+    "concat",
+    "copy_floor",
+    "gloo_raw",
+    "gloo_list",
+    "gloo_coal",
+    "start_stop",
+)
 
 
 def _bodies(params: list, world: int) -> dict:
@@ -131,7 +141,9 @@ def main(argv=None) -> int:
         "warmup": args.warmup,
     }
     results = _launch.run_ranks(rank_worker, args.world_size, args=(cfg,))[0]
-    print(f"all-gather layouts, {args.world_size} gloo CPU ranks, ms (x raw), median of per-repetition max over ranks")
+    print(
+        f"all-gather layouts, {args.world_size} gloo CPU ranks, ms (x raw), median of per-repetition max over ranks"
+    )
     print(f"{'P':>5} " + " ".join(f"{name:>14}" for name in VARIANTS))
     for count, row in results.items():
         cells = " ".join(f"{row[n] * 1e3:>7.3f} ({row[n] / row['raw']:.2f})" for n in VARIANTS)
