@@ -45,6 +45,13 @@ def test_bench_gather_quick(tmp_path):
 
 
 @pytest.mark.timeout(150)
+def test_bench_gather_layouts_quick():
+    out = _run("bench_gather_layouts.py", "--params", "1,10")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["10"])]
+    assert len(rows) == 2 and all(len(row) == 1 + 2 * 9 for row in rows), out
+
+
+@pytest.mark.timeout(150)
 def test_bench_sequence_parallel_quick(tmp_path):
     """Ulysses: the all-to-all bytes it counts are the formula's; sp=2 holds fewer activation
     bytes than sp=1, and tiling fewer than no tiling (read back from its JSON)."""

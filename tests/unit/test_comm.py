@@ -276,6 +276,17 @@ class TestSharedMemoryCollectives(DistributedTest):
                     path,
                     copied,
                 )
+                # Outputs back to back in one flat tensor, with a plan kept across gathers (the
+                # second gather reuses the views the first made), chunks cutting outputs.
+                flat = torch.full((size * sum(sizes),), -1.0)
+                outputs = [b.view(size, n) for b, n in zip(flat.split([size * n for n in sizes]), sizes)]
+                plan = shm.ColumnPlan(outputs, sizes, flat)
+                for again in range(3):
+                    flat.fill_(-1.0)
+                    facade.all_gather_into_columns(outputs, sizes, everyone[rank], group=group, plan=plan)
+                    for got, want in zip(outputs, expected):
+                        assert torch.equal(got, want), (path, again)
+                assert (path == "gloo") == (not plan._chunks), "the shared-memory path keeps its views"
         with pytest.raises(ValueError, match="do not split"):
             facade.all_gather_into_columns(outputs, [1, 2], everyone[rank], group=group)
 

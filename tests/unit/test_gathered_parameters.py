@@ -111,6 +111,34 @@ class TestLmHeadResize(DistributedTest):
         (weight,) = full_copy(new.weight)
         assert torch.all(weight == float(last))
 
+    def test_modifier_rank_write_back_of_a_whole_module(self, monkeypatch):
+        """A whole module's gathered tensors are views of one buffer, broadcast as it in one
+        collective; a tensor the body put in a parameter's place goes the per-tensor way."""
+        _, new = build_heads(zero3=True)
+        last = dist.get_world_size() - 1
+        sent = []  # (address, elements) of each broadcast tensor
+        original = dist.broadcast
+        monkeypatch.setattr(
+            dist,
+            "broadcast",
+            lambda t, *a, **k: sent.append((t.data_ptr(), t.numel())) or original(t, *a, **k),
+        )
+        whole = dist.get_world_size() * (new.weight.partition_numel() + new.bias.partition_numel())
+        for replace in (False, True):
+            sent.clear()
+            with deepspeed.zero.GatheredParameters(new.parameters(), modifier_rank=last):
+                buffer = (new.weight.data.data_ptr(), whole)  # the weight comes first in the module's buffer
+                if replace:
+                    new.weight.data = torch.full_like(new.weight.data, 10.0 + dist.get_rank())
+                else:
+                    new.weight.data.fill_(float(dist.get_rank()))
+                new.bias.data.fill_(-1.0 - dist.get_rank())
+            weight, bias = full_copy(new.weight, new.bias)
+            assert torch.all(weight == (10.0 + last if replace else float(last))), replace
+            assert torch.all(bias == -1.0 - last), replace
+            # The whole buffer, padding included; else the tensors themselves.
+            assert sent == [buffer] if not replace else buffer not in sent, (replace, sent, buffer)
+
 
 class TestGatherMechanics(DistributedTest):
     world_size = [1, 2, 4]

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import deepspeed
 import deepspeed.comm as dist
-from deepspeed.runtime.zero import gather
+from deepspeed.runtime.zero import edits, gather
 from deepspeed.runtime.zero import quantized as qz
 from deepspeed.utils import groups
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -345,7 +345,7 @@ class TestQuantized(DistributedTest):
                 gaps[name + "_weight_err"] = check_gathered_bound(run.engine)
                 states = run.engine.zero.zero_states
                 with compute_gather(states):
-                    assert gather.find_discarded_edits(states) == []  # quantized copies are no edits
+                    assert edits.find_discarded_edits(states) == []  # quantized copies are no edits
                 check_exact_user_gathers(run.engine)
             if "zero_quantized_gradients" in zero:
                 assert run.engine.reducer.quantized

@@ -20,10 +20,13 @@ all-gather: their shards are concatenated into one input (a view, when Init put 
 to back: each state records the flat buffer its shard is a view of), and the output is laid
 out rank by rank, `[rank 0: p0 shard, p1 shard, ...][rank 1: ...]`. One fused copy moves
 each parameter's column block into its full tensor (see `_FullPool` for where those live);
-a single parameter needs no copy, as the output is its full tensor. That copy is the one
-cost above the collective that a per-parameter tensor cannot avoid: DeepSpeed's shard math
-fixes which elements each rank holds, so no output layout makes every parameter contiguous,
-and one all-gather per parameter costs far more on gloo (about 1 ms each on 2 CPU ranks).
+a single parameter needs no copy, as the output is its full tensor. Through shared memory
+there is no rank-major buffer: the columns go from the peers' slots straight into the full
+tensors as one concatenation (shm.py's `ColumnPlan`), the one copy a raw all-gather makes
+too. DeepSpeed's shard math fixes which elements each rank holds, so no output layout makes
+every parameter contiguous; FSDP1's flat layout would, with other shard math, and gains no
+more on shared memory; the other layouts measured lose (benchmarks/README.md, "Gathers
+without copy-out").
 Every rank issues the same collectives in the same order because parameters are sorted by
 `ds_id`, which is equal on all ranks. State changes go a bucket at a time (see
 lifecycle.py's bulk transitions).
@@ -39,6 +42,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed import process_state
+from deepspeed.comm.shm import ColumnPlan
 from deepspeed.runtime.zero.lifecycle import (
     ZeroParamState,
     ZeroParamStatus,
@@ -192,6 +196,7 @@ class _FullBuffer:
     flat: torch.Tensor  # 1D, [world * sum(partition_size)]: the run's part of `buf`
     sizes: list  # each parameter's partition_size, in the run's order
     dests: list  # [world, partition_size] views: the targets of the copy out of a rank-major output
+    plan: ColumnPlan  # the shared-memory copy into `dests`, kept with them ([Note: the copy out of the slots, ...])
     fulls: list  # each parameter's full tensor (its shape), a view of `buf`
     refs: int  # how many tensors share `buf`'s storage when only this object holds views of it
     live: int  # how many of the run's parameters have one of `fulls` as their data
@@ -209,6 +214,7 @@ class _FullBuffer:
         self.key, self.base = key, weakref.ref(run[0].shard_base)
         self.flat = self.buf if self.buf.shape[0] == numel else self.buf[:numel]
         self.dests, self.fulls = _views(self.flat, run, sizes)
+        self.plan = ColumnPlan(self.dests, self.sizes, self.flat)
         self.refs = _storage_refs(self.buf)  # no temporaries left: only our views count
 
 
@@ -377,12 +383,13 @@ class _GatherBucket(GatherBucketBase):
             # and each parameter's columns go straight into its full tensor, with no
             # rank-major buffer between (one copy instead of two).
             self._filled = self._full_buffers(flat_in.dtype, device)
-            if len(self._filled) == 1:
-                dests, sizes = self._filled[0].dests, self._filled[0].sizes
+            if len(self._filled) == 1:  # one run: its full tensors lie back to back in one buffer
+                fb = self._filled[0]
+                dist.all_gather_into_columns(fb.dests, fb.sizes, flat_in, group=group, plan=fb.plan)
             else:
                 dests = [d for fb in self._filled for d in fb.dests]
                 sizes = [n for fb in self._filled for n in fb.sizes]
-            dist.all_gather_into_columns(dests, sizes, flat_in, group=group)
+                dist.all_gather_into_columns(dests, sizes, flat_in, group=group)
             work = dist.CommHandle()
         else:
             self.flat_out = SCRATCH.take(states[0].world_size * flat_in.shape[0], flat_in.dtype, device)
@@ -620,7 +627,7 @@ def fetch_states(
             bucket.issue(device, inflight=async_op)
             buckets.append(bucket)
         missing = [s for s in missing if s.secondary is None or not (quantized or s.qwz is None)]
-    if quantized and missing and any(s.qwz is not None for s in missing):  # qwZ: quantized.py
+    if quantized and missing and any([s.qwz is not None for s in missing]):  # qwZ: quantized.py
         device = _compute_device()
         for same in _buckets_by_group_and_dtype([s for s in missing if s.qwz is not None]):
             bucket = same[0].qwz(same, _back_to_back(same))
@@ -701,75 +708,6 @@ def release_api_holds(params: Iterable, has_been_updated: bool = False) -> None:
                 release_unheld([s])
         elif not s.holds and not s.persist:
             release_unheld([s])
-
-
-# Tensors at least this large are broadcast in place: coalescing them would copy them.
-BROADCAST_COALESCE_LIMIT = 1 << 18  # elements
-
-
-def broadcast_coalesced(tensors: list, src: int, group) -> None:
-    """Broadcast `tensors` in place from global rank `src`.
-
-    Large contiguous tensors go one collective each, in place (a flat copy would double the
-    peak memory of building a layer under Init); small ones share one collective per dtype.
-    """
-    small: dict = {}
-    for t in tensors:
-        if t.is_contiguous() and t.numel() >= BROADCAST_COALESCE_LIMIT:
-            dist.broadcast(t, src=src, group=group)
-        else:
-            small.setdefault(t.dtype, []).append(t)
-    for same_dtype in small.values():
-        if len(same_dtype) == 1 and same_dtype[0].is_contiguous():
-            dist.broadcast(same_dtype[0], src=src, group=group)
-            continue
-        flat = torch.cat([t.reshape(-1) for t in same_dtype])
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        for t in same_dtype:
-            t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
-
-
-def broadcast_full(states: list, src_group_rank: int) -> None:
-    """Make every rank's gathered tensors equal to group rank `src_group_rank`'s."""
-    for bucket in _buckets_by_group_and_dtype(states):
-        group = bucket[0].group
-        src = dist.get_global_rank(group, src_group_rank)
-        broadcast_coalesced([s.param.data for s in bucket], src, group)
-
-
-def ranks_that_failed(states: list, failed_here: bool) -> list:
-    """Group ranks (of `states[0]`'s group) that report `failed_here`; one all-reduce, every rank agrees."""
-    group, world, rank = states[0].group, states[0].world_size, states[0].rank
-    flags = torch.zeros(world, dtype=torch.int32, device=_compute_device())
-    flags[rank] = int(failed_here)
-    if world > 1:
-        dist.all_reduce(flags, group=group)
-    return [r for r, flag in enumerate(flags.tolist()) if flag]
-
-
-def find_discarded_edits(states: list) -> list:
-    """ds_ids of gathered tensors that differ from their shards on any rank (sanity checks;
-    parameters gathered quantized, qwZ, are not checked).
-
-    Regathers the shards and compares; the verdict is all-reduced so every rank agrees.
-    """
-    states = [s for s in states if s.qwz is None]  # qwZ's copies differ from the shards by design
-    if not states:
-        return []
-    device = _compute_device()
-    changed = []
-    for bucket_states in _buckets_by_group_and_dtype(states):
-        flags = torch.zeros(len(bucket_states), dtype=torch.int32, device=device)
-        for i, s in enumerate(bucket_states):
-            reference = torch.empty(s.world_size * s.partition_size, dtype=s.shard.dtype, device=device)
-            dist.all_gather_into_tensor(reference, s.shard.to(device), group=s.group)
-            current = s.param.data.reshape(-1).to(device)
-            flags[i] = int(not torch.equal(reference[: s.numel], current))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=bucket_states[0].group)
-        changed.extend(s.ds_id for s, f in zip(bucket_states, flags.tolist()) if f)
-    return changed
 
 
 def partition_new_state(state: ZeroParamState) -> None:

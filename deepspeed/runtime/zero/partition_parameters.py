@@ -31,7 +31,7 @@ from deepspeed import comm as dist
 from deepspeed import process_state
 from deepspeed.accelerator import get_accelerator  # noqa: F401 - an upstream name clients read here
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
-from deepspeed.runtime.zero import gather, param_swap
+from deepspeed.runtime.zero import edits, gather, param_swap
 from deepspeed.runtime.zero.gather import MultipleAllGatherHandles  # noqa: F401 - upstream name
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus, ZeroParamType, shard_sizes
 from deepspeed.runtime.zero.linear import TORCH_LINEAR_MARK
@@ -312,7 +312,7 @@ def convert_params(
     if dist.get_world_size(settings.broadcast_group) > 1:
         # Ranks may have drawn different random initial values: rank 0's are the model.
         src = dist.get_global_rank(settings.broadcast_group, 0)
-        gather.broadcast_coalesced([p.data for p in params], src, settings.broadcast_group)
+        edits.broadcast_coalesced([p.data for p in params], src, settings.broadcast_group)
 
     accelerator = get_accelerator()
     shard_views = _flat_shard_views(params, settings, accelerator)
@@ -573,7 +573,7 @@ class GatherHold:
         if self.modifier_rank is None or self.handle is None:
             return
         self.handle.wait()
-        gather.broadcast_full(self.states, self.modifier_rank)
+        edits.broadcast_full(self.states, self.modifier_rank)
         for s in self.states:
             s.write_back()
 
@@ -651,7 +651,7 @@ class GatheredParameters:
         if not self._states:
             return self  # disabled, or no ZeRO parameter: nothing to gather
         try:
-            if any(s.sanity_checks for s in self._states):
+            if any([s.sanity_checks for s in self._states]):  # a list: faster than a generator
                 # The all-gather's sizes come from the caller's list: ranks must pass the same one.
                 check_agreement(
                     "GatheredParameters.start(): the parameters to gather",
@@ -702,9 +702,9 @@ class GatheredParameters:
                     for s in states
                     if s.param.data.shape != s.shape or s.param.data.dtype != s.shard_dtype
                 ]
-                failed = gather.ranks_that_failed(states, failed_here or bool(replaced))
+                failed = edits.ranks_that_failed(states, failed_here or bool(replaced))
                 if not failed:
-                    gather.broadcast_full(states, self.modifier_rank)
+                    edits.broadcast_full(states, self.modifier_rank)
                     updated = True
                 elif replaced and not failed_here:
                     raise ValueError(
@@ -717,7 +717,7 @@ class GatheredParameters:
                         f"{self._describe()}: the body raised or replaced a parameter on rank(s) {failed}; "
                         "the edits were discarded on every rank (see the error on those ranks)"
                     )
-            elif any(s.sanity_checks for s in states):
+            elif any([s.sanity_checks for s in states]):
                 self._raise_on_discarded_edits(states)
         finally:
             self._hold.handle = None
@@ -734,7 +734,7 @@ class GatheredParameters:
 
     @staticmethod
     def _raise_on_discarded_edits(states: list) -> None:
-        changed = gather.find_discarded_edits(states)
+        changed = edits.find_discarded_edits(states)
         if changed:
             raise RuntimeError(
                 f"GatheredParameters(modifier_rank=None) would discard edits to parameters with ds_id "

@@ -25,7 +25,7 @@ from torch import nn
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero import gather, hpz, param_swap, quantized
+from deepspeed.runtime.zero import edits, gather, hpz, param_swap, quantized
 from deepspeed.runtime.zero.hooks import ParameterCoordinator, mark_persistent, persistent_states
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from deepspeed.runtime.zero.linear import route_linears
@@ -257,7 +257,7 @@ class ReplicatedParameters(ZeroStrategy):
             # Ranks may have drawn different random initial values: rank 0's are the model, as
             # upstream broadcasts them at initialize (stage 3 does it when it partitions). Left
             # alone, trainable weights would start from every rank's own and frozen ones never agree.
-            gather.broadcast_coalesced([p.data for p in module.parameters()], 0, None)
+            edits.broadcast_coalesced([p.data for p in module.parameters()], 0, None)
         self.replicated = make_replicated_shards(module)
 
     def shard_state_of(self, param: nn.Parameter) -> Any:
