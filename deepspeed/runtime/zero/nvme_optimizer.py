@@ -138,15 +138,19 @@ class OptimizerSwapper:
             dtype: torch.full((1,), float("nan") if dtype.is_floating_point else 0, dtype=dtype)
             for dtype in set(self.kinds.values())
         }
-        self.store = SwapStore(offload.nvme_path, name, aio)
-        self.store.reserve_many({g.key(k): n for g in self.groups for k, n in g.nbytes.items()})
-        largest = max((n for g in self.groups for n in g.nbytes.values()), default=1)
-        self.pool = PinnedBufferPool(needed, largest, aio)
         self._resident_depth = 0
-        for group in self.groups:  # the masters' initial values go to their files
-            self._attach_new(group)
-            self._detach_and_write(group, async_op=False)
-            self._give_back(group)
+        self.store = SwapStore(offload.nvme_path, name, aio)
+        try:
+            self.store.reserve_many({g.key(k): n for g in self.groups for k, n in g.nbytes.items()})
+            largest = max((n for g in self.groups for n in g.nbytes.values()), default=1)
+            self.pool = PinnedBufferPool(needed, largest, aio)
+            for group in self.groups:  # the masters' initial values go to their files
+                self._attach_new(group)
+                self._detach_and_write(group, async_op=False)
+                self._give_back(group)
+        except BaseException:
+            self.store.close()  # a set-up that failed leaves no scratch behind
+            raise
 
     def _cut(self, masters: list, limit: int) -> list:
         groups, current, size = [], [], 0
@@ -358,6 +362,8 @@ def agree_on_setup(what: str, build: Callable[[], Any], group: Any = None) -> An
     failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
     if not failed:
         return result
+    if result is not None and hasattr(result, "close"):
+        result.close()  # built here, but another rank failed: its scratch goes too
     if error is not None:
         raise error  # this rank's own error (the others name it)
     lines = "; ".join(f"rank {rank}: {m}" for rank, m in failed)
