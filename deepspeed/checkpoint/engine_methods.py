@@ -38,7 +38,9 @@ class CheckpointMethods:
         `client_state` is returned by `load_checkpoint`. Returns True.
         """
         with _state_in_memory(self):  # NVMe: the swapped masters and state are read in (and out after)
-            return save.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            return save.save_checkpoint(
+                self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+            )
 
     def load_checkpoint(
         self,

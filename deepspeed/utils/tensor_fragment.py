@@ -24,7 +24,6 @@ parameter is currently gathered, its gathered tensor.
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any, Optional
 
 import torch

@@ -6,7 +6,6 @@ for bit, at stages 1, 2 and 3, with and without pipelining, over several sub-gro
 gradient accumulation and clipping. Checkpoints move between NVMe and CPU runs both ways.
 """
 
-import os
 import resource
 import signal
 from pathlib import Path
@@ -24,7 +23,9 @@ from tests.unit.test_engine import TinyLM, batches, config, my_slice
 GAS = 2
 
 
-def build(stage, device, nvme_path=None, sub_group_size=300, pipeline=(False, False), buffer_count=9, **extra):
+def build(
+    stage, device, nvme_path=None, sub_group_size=300, pipeline=(False, False), buffer_count=9, **extra
+):
     off = {"device": device}
     if device == "nvme":
         off.update(pipeline_read=pipeline[0], pipeline_write=pipeline[1], buffer_count=buffer_count)
@@ -185,7 +186,12 @@ class TestNvmeCheckpoints(DistributedTest):
         assert_same(adam_state(third), adam_state(reference), "masters and Adam state after the round trip")
         # The optimizer's own state_dict is a copy taken while the state was read in.
         sd = third.optimizer.state_dict()["optimizer"]["state"]
-        assert all(not torch.isnan(v).any() for per in sd.values() for v in per.values() if torch.is_tensor(v) and v.dim() > 0)
+        assert all(
+            not torch.isnan(v).any()
+            for per in sd.values()
+            for v in per.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
 
 
 class TestNvmeSetupFailures(DistributedTest):
@@ -217,7 +223,9 @@ class TestNvmeSetupFailures(DistributedTest):
     def test_config_errors(self, tmp_path):
         folder = swap_folder(tmp_path)
         folder.mkdir(exist_ok=True)
-        with pytest.raises(ValueError, match=r"buffer_count=4 is too few.*need at least 9; raise buffer_count to 9"):
+        with pytest.raises(
+            ValueError, match=r"buffer_count=4 is too few.*need at least 9; raise buffer_count to 9"
+        ):
             build(1, "nvme", folder, pipeline=(True, True), buffer_count=4)
         with pytest.raises(ValueError, match=r"offload_optimizer.device='nvme' needs nvme_path"):
             build(1, "nvme", None)

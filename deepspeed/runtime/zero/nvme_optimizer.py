@@ -40,8 +40,9 @@ probe is swapped; anything else (a step count, a factored second moment) stays i
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn

@@ -327,7 +327,9 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         sub_group = self.config.zero_config.sub_group_size
         return agree_on_setup(
             "zero_optimization.offload_optimizer (device 'nvme') set-up",
-            lambda: OptimizerSwapper(self.optimizer, masters, offload, sub_group, aio, f"optimizer_rank{rank}"),
+            lambda: OptimizerSwapper(
+                self.optimizer, masters, offload, sub_group, aio, f"optimizer_rank{rank}"
+            ),
         )
 
     def resident(self) -> Any:
