@@ -115,6 +115,13 @@ def check_parity(tmp_path, cases):
         engine.offload_states()
         engine.reload_states()
         assert train(engine, more) == expected_after, f"{case}: after offload_states / reload_states"
+        if stage == 3:  # a fragment setter writes the swapped master (and the shard) through resident()
+            from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+            param = next(engine.module.parameters())
+            safe_set_full_fp32_param(param, torch.full(param.ds_shape, 0.25))
+            assert (safe_get_full_fp32_param(param) == 0.25).all() and (param.ds_tensor == 0.25).all()
+            assert all(swapper.holds(m) for m in engine.optimizer.masters.values())
         mine = swapper.store.folder.parent
         assert mine.parent == folder / "zero_swap" and list(mine.rglob("group*.swp"))
         swapper.close()
@@ -184,6 +191,17 @@ class TestNvmeCheckpoints(DistributedTest):
         losses += train(third, data[2:])
         assert losses == expected, f"{losses} vs {expected}"
         assert_same(adam_state(third), adam_state(reference), "masters and Adam state after the round trip")
+        # The fragment helpers read and write the swapped state (through resident()).
+        from deepspeed.utils import (
+            safe_get_full_fp32_param,
+            safe_get_full_optimizer_state,
+        )
+
+        for ref, param in zip(reference.module.parameters(), third.module.parameters()):
+            assert torch.equal(safe_get_full_fp32_param(param), safe_get_full_fp32_param(ref))
+            got = safe_get_full_optimizer_state(param, "exp_avg_sq")
+            assert torch.equal(got, safe_get_full_optimizer_state(ref, "exp_avg_sq"))
+        assert all(third.optimizer.swapper.holds(m) for m in third.optimizer.masters.values())
         # The optimizer's own state_dict is a copy taken while the state was read in.
         sd = third.optimizer.state_dict()["optimizer"]["state"]
         assert all(
