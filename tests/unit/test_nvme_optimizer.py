@@ -238,6 +238,31 @@ class TestNvmeSetupFailures(DistributedTest):
         dist.barrier()  # both ranks have cleaned up
         assert not list(folder.rglob("*.swp")), "a failed set-up leaves no swap file on any rank"
 
+    def test_io_error_in_a_step_on_one_rank_fails_every_rank(self, tmp_path):
+        import errno
+
+        folder = swap_folder(tmp_path)
+        folder.mkdir(exist_ok=True)
+        engine = build(2, "nvme", folder, pipeline=(True, True))
+        if dist.get_rank() == 1:
+
+            def broken(*args, **kwargs):
+                raise OSError(errno.EIO, "Input/output error (injected)")
+
+            engine.optimizer.swapper.store.write = broken
+        ids, labels = batches(1)[0]
+        for micro in range(GAS):
+            engine.backward(engine(my_slice(ids, micro, GAS), my_slice(labels, micro, GAS)))
+            if micro < GAS - 1:
+                engine.step()
+        with pytest.raises((OSError, RuntimeError)) as err:
+            engine.step()
+        if dist.get_rank() == 1:
+            assert "injected" in str(err.value)
+        else:
+            assert "failed on 1 other rank(s)" in str(err.value)
+        assert engine.optimizer.swapper.pool.free == len(engine.optimizer.swapper.pool._buffers)
+
     def test_config_errors(self, tmp_path):
         folder = swap_folder(tmp_path)
         folder.mkdir(exist_ok=True)

@@ -268,18 +268,20 @@ class OptimizerSwapper:
     # ---- the step ----------------------------------------------------------------------------
     def step(self, step_group: Callable[[list], None]) -> None:
         """Run `step_group(masters)` on each sub-group with its tensors in memory (see the note)."""
-        if not self.groups:
-            return
+        error: Optional[Exception] = None
         try:
-            self._step_groups(step_group)
-        except BaseException:
+            if self.groups:
+                self._step_groups(step_group)
+        except Exception as err:
+            error = err
             # Settle queued I/O and free the pool, so the error is this step's alone; the
             # groups that did not finish keep their files' values from before the step.
-            self.store.wait_reads()
-            self.store.wait_writes()
+            for wait in (self.store.wait_reads, self.store.wait_writes):
+                with contextlib.suppress(OSError):
+                    wait()
             for group in self.groups:
                 self._give_back(group)
-            raise
+        _agree_on_step(error)
 
     def _step_groups(self, step_group: Callable[[list], None]) -> None:
         groups = self.groups
@@ -344,6 +346,27 @@ def step_only(optimizer: torch.optim.Optimizer, masters: list) -> None:
     finally:
         for group, params in zip(optimizer.param_groups, kept):
             group["params"] = params
+
+
+def _agree_on_step(error: Optional[Exception]) -> None:
+    """One small all-reduce per step: an I/O error on one rank (EIO, a volume that could not
+    honour its reservation) raises on every rank, instead of leaving the others waiting in the
+    step's next collective."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from deepspeed.accelerator import get_accelerator
+
+        flag = torch.tensor([0.0 if error is None else 1.0], device=get_accelerator().current_device_name())
+        dist.all_reduce(flag)
+        failed = int(flag.item())
+    else:
+        failed = 0 if error is None else 1
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(
+            f"the NVMe optimizer step failed on {failed} other rank(s) (their error says why); this rank's "
+            "own step finished, but the ranks' parameters may now differ: load the last checkpoint"
+        )
 
 
 def agree_on_setup(what: str, build: Callable[[], Any], group: Any = None) -> Any:
