@@ -146,12 +146,20 @@ class TestNvmeOptimizerParity(DistributedTest):
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             off = {"device": device, "nvme_path": str(folder), "buffer_count": 2}
             cfg = config(gas=GAS, clip=0.05, zero_force_ds_cpu_optimizer=False, bf16={"enabled": True})
+            cfg["aio"] = {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 2}
             cfg["zero_optimization"] = {"stage": 2, "offload_optimizer": off, "sub_group_size": 500}
             del cfg["optimizer"]
             engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
             runs.append((train(engine, data), shards(engine)))
             if device == "nvme":
-                assert list(engine.optimizer.swapper.kinds) == ["fp32_master", "momentum_buffer"]
+                swapper = engine.optimizer.swapper
+                assert list(swapper.kinds) == ["fp32_master", "momentum_buffer"]
+                for handle in (swapper.store._reads, swapper.store._writes):  # the aio block, acted on
+                    assert (handle.get_block_size(), handle.get_queue_depth(), handle.get_thread_count()) == (
+                        262144,
+                        4,
+                        2,
+                    )
         assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 2 * GAS
         assert runs[0][0] != [] and runs[0][0][0] != runs[0][0][-1]
         assert_same(runs[0][1], runs[1][1], "bf16 SGD parameters")
