@@ -184,6 +184,8 @@ class TestNvmeCheckpoints(DistributedTest):
         nvme = swap_folder(tmp_path)
         (nvme / "a").mkdir(parents=True, exist_ok=True)
         first = build(2, "nvme", nvme / "a")
+        # Upstream's queries: the step runs on the CPU, though the state is not in CPU memory.
+        assert first.zero_use_cpu_optimizer() and not first.zero_cpu_offload()
         losses = train(first, data[:1])
         first.save_checkpoint(str(ckpt), tag="one")
         assert not list(ckpt.rglob("*.swp")), "swap files are scratch, never part of a checkpoint"
