@@ -177,49 +177,54 @@ class TestNvmeCheckpoints(DistributedTest):
     world_size = 2
 
     def test_nvme_to_cpu_to_nvme(self, tmp_path):
-        data = batches(3)
-        reference = build(2, "cpu")
-        expected = train(reference, data)
-        ckpt = tmp_path / "ckpt"
-        nvme = swap_folder(tmp_path)
-        (nvme / "a").mkdir(parents=True, exist_ok=True)
-        first = build(2, "nvme", nvme / "a")
-        # Upstream's queries: the step runs on the CPU, though the state is not in CPU memory.
-        assert first.zero_use_cpu_optimizer() and not first.zero_cpu_offload()
-        losses = train(first, data[:1])
-        first.save_checkpoint(str(ckpt), tag="one")
-        assert not list(ckpt.rglob("*.swp")), "swap files are scratch, never part of a checkpoint"
-        assert all(first.optimizer.swapper.holds(m) for m in first.optimizer.masters.values())
-        second = build(2, "cpu")
-        second.load_checkpoint(str(ckpt), tag="one")
-        losses += train(second, data[1:2])
-        second.save_checkpoint(str(ckpt), tag="two")
-        (nvme / "b").mkdir(exist_ok=True)
-        third = build(2, "nvme", nvme / "b", pipeline=(True, False))
-        third.load_checkpoint(str(ckpt), tag="two")
-        assert all(third.optimizer.swapper.holds(m) for m in third.optimizer.masters.values())
-        losses += train(third, data[2:])
-        assert losses == expected, f"{losses} vs {expected}"
-        assert_same(adam_state(third), adam_state(reference), "masters and Adam state after the round trip")
-        # The fragment helpers read and write the swapped state (through resident()).
-        from deepspeed.utils import (
-            safe_get_full_fp32_param,
-            safe_get_full_optimizer_state,
-        )
+        for stage in (2, 3):
+            round_trip(tmp_path / f"stage{stage}", stage)
 
-        for ref, param in zip(reference.module.parameters(), third.module.parameters()):
-            assert torch.equal(safe_get_full_fp32_param(param), safe_get_full_fp32_param(ref))
-            got = safe_get_full_optimizer_state(param, "exp_avg_sq")
-            assert torch.equal(got, safe_get_full_optimizer_state(ref, "exp_avg_sq"))
-        assert all(third.optimizer.swapper.holds(m) for m in third.optimizer.masters.values())
-        # The optimizer's own state_dict is a copy taken while the state was read in.
-        sd = third.optimizer.state_dict()["optimizer"]["state"]
-        assert all(
-            not torch.isnan(v).any()
-            for per in sd.values()
-            for v in per.values()
-            if torch.is_tensor(v) and v.dim() > 0
-        )
+
+def round_trip(tmp_path, stage):
+    data = batches(3)
+    reference = build(stage, "cpu")
+    expected = train(reference, data)
+    ckpt = tmp_path / "ckpt"
+    nvme = swap_folder(tmp_path)
+    (nvme / "a").mkdir(parents=True, exist_ok=True)
+    first = build(stage, "nvme", nvme / "a")
+    # Upstream's queries: the step runs on the CPU, though the state is not in CPU memory.
+    assert first.zero_use_cpu_optimizer() and not first.zero_cpu_offload()
+    losses = train(first, data[:1])
+    first.save_checkpoint(str(ckpt), tag="one")
+    assert not list(ckpt.rglob("*.swp")), "swap files are scratch, never part of a checkpoint"
+    assert all(first.optimizer.swapper.holds(m) for m in first.optimizer.masters.values())
+    second = build(stage, "cpu")
+    second.load_checkpoint(str(ckpt), tag="one")
+    losses += train(second, data[1:2])
+    second.save_checkpoint(str(ckpt), tag="two")
+    (nvme / "b").mkdir(exist_ok=True)
+    third = build(stage, "nvme", nvme / "b", pipeline=(True, False))
+    third.load_checkpoint(str(ckpt), tag="two")
+    assert all(third.optimizer.swapper.holds(m) for m in third.optimizer.masters.values())
+    losses += train(third, data[2:])
+    assert losses == expected, f"{losses} vs {expected}"
+    assert_same(adam_state(third), adam_state(reference), "masters and Adam state after the round trip")
+    # The fragment helpers read and write the swapped state (through resident()).
+    from deepspeed.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_optimizer_state,
+    )
+
+    for ref, param in zip(reference.module.parameters(), third.module.parameters()):
+        assert torch.equal(safe_get_full_fp32_param(param), safe_get_full_fp32_param(ref))
+        got = safe_get_full_optimizer_state(param, "exp_avg_sq")
+        assert torch.equal(got, safe_get_full_optimizer_state(ref, "exp_avg_sq"))
+    assert all(third.optimizer.swapper.holds(m) for m in third.optimizer.masters.values())
+    # The optimizer's own state_dict is a copy taken while the state was read in.
+    sd = third.optimizer.state_dict()["optimizer"]["state"]
+    assert all(
+        not torch.isnan(v).any()
+        for per in sd.values()
+        for v in per.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
 
 
 class TestNvmeSetupFailures(DistributedTest):
