@@ -469,12 +469,34 @@ def markdown(report: dict) -> str:
         ),
         ("aio", "Async I/O (deepspeed.ops.aio) bandwidth against dd with O_DIRECT", aio_table),
     )
+    sections += (
+        (
+            "nvme_optimizer",
+            "Optimizer offload to NVMe vs CPU (decoder fp32, ZeRO-2, 2 ranks, same rounds)",
+            nvme_optimizer_text,
+        ),
+    )
     for key, title, fn in sections:
         if key == "scaling" and "offload" in title and not (report.get("scaling") or {}).get("offload"):
             continue
         if report.get(key):
             parts.append(f"**{title}**\n\n{fn(report[key])}")
     return "\n\n".join(parts) + "\n"
+
+
+def nvme_optimizer_text(n: dict) -> str:
+    def seconds(value):
+        return "null" if value is None else f"{value:.3f} s"
+
+    ratio = n.get("nvme_ratio_vs_cpu_offload")
+    shown = "null" if ratio is None else f"{ratio:.2f}x"
+    load = (n.get("case") or {}).get("loadavg_1m") or {}
+    return (
+        f"offload_optimizer cpu {seconds(n.get('ours_stage2_offload_s'))}, nvme "
+        f"{seconds(n.get('ours_stage2_nvme_s'))} per step: nvme / cpu = {shown} (sub_group_size "
+        f"{n.get('sub_group_size')}, pipeline_read and pipeline_write on, swap files under "
+        f"{n.get('swap_folder')}; load average {load.get('before')} -> {load.get('after')})"
+    )
 
 
 def write_all(report: dict, out_dir: Path) -> None:

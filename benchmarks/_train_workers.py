@@ -19,7 +19,8 @@ the optimizer's own tensors (masters, their gradients, its state); `{"cmd": "col
 runs one step under the torch profiler and reports rank 0's collectives by kind (calls, and
 bytes gloo moved); `{"cmd": "quit"}` ends it. Implementations
 `ours_z1` / `upstream_z1` / `ours_z2` / `upstream_z2` run ZeRO stage 1 or 2 with the same
-config, `ours_z2_off` stage 2 with `offload_optimizer: {device: cpu}`. Other stdout lines (library logs) are ignored by
+config, `ours_z2_off` stage 2 with `offload_optimizer: {device: cpu}`, `ours_z2_nvme` the same with
+`device: nvme`. Other stdout lines (library logs) are ignored by
 the controller. Idle groups block on stdin, so they take no CPU from the group being timed.
 """
 
@@ -33,6 +34,7 @@ import os
 import resource
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -149,12 +151,14 @@ def make_batches(spec: dict, rank: int, count: int = 4) -> list:
 # ----------------------------------------------------------------------------- implementations
 
 
-def ds_config(spec: dict, stage: int = 3, offload: bool = False) -> dict:
+def ds_config(spec: dict, stage: int = 3, offload: Any = False) -> dict:
     """The one config both ours and upstream DeepSpeed get (upstream key names).
 
     Stage 3 gets the stage-3 sizes; stages 1 and 2 the same `reduce_bucket_size` and
     `allgather_bucket_size` (elements). `offload` puts the optimizer on the CPU
-    (`offload_optimizer: {device: cpu}`), which steps with DeepSpeedCPUAdam as upstream requires.
+    (`offload_optimizer: {device: cpu}`), which steps with DeepSpeedCPUAdam as upstream requires;
+    `offload="nvme"` keeps its masters and state in swap files under `spec["nvme_path"]`,
+    stepped in sub-groups of `spec["sub_group_size"]` elements with both pipelines on.
     """
     zero = {
         "stage": stage,
@@ -175,6 +179,15 @@ def ds_config(spec: dict, stage: int = 3, offload: bool = False) -> dict:
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
         adam = {"lr": 1e-3}  # DeepSpeedCPUAdam
+    if offload == "nvme":
+        zero["offload_optimizer"] = {
+            "device": "nvme",
+            "nvme_path": spec["nvme_path"],
+            "pipeline_read": True,
+            "pipeline_write": True,
+            "buffer_count": 9,  # Adam: masters + 2 states, x 3 sub-groups in flight
+        }
+        zero["sub_group_size"] = spec["sub_group_size"]
     cfg = {
         "train_micro_batch_size_per_gpu": spec["batch"],
         "gradient_accumulation_steps": 1,
@@ -191,7 +204,7 @@ def ds_config(spec: dict, stage: int = 3, offload: bool = False) -> dict:
 ENGINE: list = []  # the DeepSpeed engine of this process, for the memory report
 
 
-def setup_deepspeed(model: nn.Module, spec: dict, stage: int = 3, offload: bool = False):
+def setup_deepspeed(model: nn.Module, spec: dict, stage: int = 3, offload: Any = False):
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config(spec, stage, offload))
@@ -265,6 +278,7 @@ SETUPS = {
     "ours_z2": functools.partial(setup_deepspeed, stage=2),
     "upstream_z2": functools.partial(setup_deepspeed, stage=2),
     "ours_z2_off": functools.partial(setup_deepspeed, stage=2, offload=True),
+    "ours_z2_nvme": functools.partial(setup_deepspeed, stage=2, offload="nvme"),
     "fsdp2": setup_fsdp2,
     "ddp": setup_ddp,
     "single": setup_single,

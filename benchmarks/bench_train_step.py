@@ -16,6 +16,9 @@ Implementations, each on the same model (seed 0), the same per-rank batches and 
   ours_z1/_z2  ours at ZeRO stage 1 / 2 (full parameters on every rank), same config otherwise
   upstream_z1/_z2  upstream 0.19.8 at stage 1 / 2, same config
   ours_z2_off  ours at stage 2 with offload_optimizer to the CPU (not in the default set)
+  ours_z2_nvme ours at stage 2 with offload_optimizer to NVMe: swap files in the run's temporary
+               folder, sub-groups of NVME_SUB_GROUP elements, pipeline_read and pipeline_write on
+               (not in the default set; run_all's `nvme_optimizer` section sets it against ours_z2_off)
 
 Every rank runs one torch thread (2 ranks on 2 cores). Each implementation runs in its own
 group of processes (`_train_workers.py`), started once and warmed up; the groups then take
@@ -53,7 +56,11 @@ IMPLS = ("ours", "upstream", "fsdp2", "ddp", "single")
 STAGE_IMPLS = ("ours_z1", "upstream_z1", "ours_z2", "upstream_z2")
 # Ours at stage 2 with offload_optimizer to the CPU (DeepSpeedCPUAdam): the memory-by-device check.
 OFFLOAD_IMPL = "ours_z2_off"
-ALL_IMPLS = IMPLS + STAGE_IMPLS + (OFFLOAD_IMPL,)
+# The same with the optimizer state in swap files (docs/nvme.md), in sub-groups of this many
+# elements: the decoder's 1.85M master elements per rank make 8 groups, so the pipelines overlap.
+NVME_IMPL = "ours_z2_nvme"
+NVME_SUB_GROUP = 250_000
+ALL_IMPLS = IMPLS + STAGE_IMPLS + (OFFLOAD_IMPL, NVME_IMPL)
 DEFAULT_IMPLS = IMPLS + STAGE_IMPLS
 NAMES = {
     "ours": "ours (ZeRO-3)",
@@ -66,6 +73,7 @@ NAMES = {
     "ours_z2": "ours ZeRO-2",
     "upstream_z2": "upstream 0.19.8 ZeRO-2",
     "ours_z2_off": "ours ZeRO-2 + offload_optimizer cpu",
+    "ours_z2_nvme": "ours ZeRO-2 + offload_optimizer nvme",
 }
 # JSON key of each implementation's median seconds per step.
 TIME_KEYS = {
@@ -79,6 +87,7 @@ TIME_KEYS = {
     "ours_z2": "ours_stage2_s",
     "upstream_z2": "upstream_stage2_s",
     "ours_z2_off": "ours_stage2_offload_s",
+    "ours_z2_nvme": "ours_stage2_nvme_s",
 }
 
 MODELS = {
@@ -128,6 +137,8 @@ class WorkerGroup:
         )
         if self.impl.startswith("upstream"):  # its one-off JIT build (ours keeps the user's cache)
             env["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS_DIR)
+        else:  # ours is this checkout's package, whichever one the environment installed
+            env["PYTHONPATH"] = str(HERE.parent)
         with open(self.logs[rank], "w") as log:  # the child keeps its own copy of the descriptor
             stdout = subprocess.PIPE if rank == 0 else log
             return subprocess.Popen(
@@ -304,6 +315,7 @@ def summarize(times: dict, cpu: dict, faults: dict, losses: dict, infos: dict, e
         stage2_ratio_vs_ddp=ratio("ours_z2", "ddp"),
         stage1_ratio_vs_upstream=ratio("ours_z1", "upstream_z1"),
         stage2_ratio_vs_upstream=ratio("ours_z2", "upstream_z2"),
+        nvme_ratio_vs_cpu_offload=ratio("ours_z2_nvme", "ours_z2_off"),
         cpu_ratio_vs_upstream=_cpu_ratio(cpu, "ours", "upstream"),
         cpu_ratio_vs_fsdp2=_cpu_ratio(cpu, "ours", "fsdp2"),
         cpu_stage1_ratio_vs_ddp=_cpu_ratio(cpu, "ours_z1", "ddp"),
@@ -381,6 +393,8 @@ def model_spec(model: str, dtype: str, args) -> dict:
 
 def measure(model: str, dtype: str, args, impls: list, log_dir: Path) -> dict:
     spec = model_spec(model, dtype, args)
+    if NVME_IMPL in impls:  # one folder for every rank (the config must agree); each swaps in its own
+        spec.update(nvme_path=str(log_dir), sub_group_size=NVME_SUB_GROUP)
     print(
         f"\n== {model}, {dtype}: {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up",
         flush=True,
@@ -413,6 +427,8 @@ def _versions(info: dict) -> dict:
 def profile_ours(model: str, dtype: str, args, log_dir: Path, impl: str = "ours") -> dict:
     """Our step on rank 0 under wall-clock timers (exclusive per function), then under cProfile."""
     spec = model_spec(model, dtype, args)
+    if impl == NVME_IMPL:  # one folder for every rank (the config must agree); each swaps in its own
+        spec.update(nvme_path=str(log_dir), sub_group_size=NVME_SUB_GROUP)
     print(f"\n== profile: {impl}, {model}, {dtype}, {args.profile_steps} steps", flush=True)
     group = WorkerGroup(impl, sys.executable, args.world_size, spec, log_dir, instrument=True)
     try:

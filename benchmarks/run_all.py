@@ -32,6 +32,9 @@ Sections (each reuses the functions of the script named, nothing is re-implement
   aio         bench_aio.py: deepspeed.ops.aio's read and write bandwidth (io_uring and thread-pool
               backends) on a 512 MiB file against dd with O_DIRECT on the same file size and
               folder; headline: engine / dd for the backend a default handle gets here
+  nvme_optimizer  bench_train_step.py's decoder (fp32, 2 ranks, ZeRO-2): offload_optimizer nvme
+              (swap files in a temporary folder, pipelines on) against offload_optimizer cpu, in
+              the same rounds; headline: the step-time ratio nvme / cpu
 
 Writes `<out-dir>/latest.json`, `latest.md` (the headline tables, also printed) and
 `latest.png` (when matplotlib is installed). `--skip-upstream` reports upstream as null.
@@ -129,6 +132,17 @@ def run_train(opts, log_dir: Path) -> dict:
         values = [case[key] for case in cases.values() if case[key] is not None]
         out[key + "_worst"] = max(values) if values else None
     out.update(headline_case="decoder_fp32", world_size=targs.world_size, cases=cases)
+    out["wall_s"] = round(time.monotonic() - began, 1)
+    return out
+
+
+def run_nvme_optimizer(opts, log_dir: Path) -> dict:
+    began = _section("nvme_optimizer: offload_optimizer nvme vs cpu, decoder fp32, ZeRO-2")
+    targs = _train_args(opts, f"{bench_train_step.OFFLOAD_IMPL},{bench_train_step.NVME_IMPL}")
+    entry = bench_train_step.measure("decoder", "fp32", targs, bench_train_step.chosen_impls(targs), log_dir)
+    keys = ("ours_stage2_offload_s", "ours_stage2_nvme_s", "nvme_ratio_vs_cpu_offload")
+    out = {key: entry[key] for key in keys}
+    out.update(sub_group_size=bench_train_step.NVME_SUB_GROUP, swap_folder=str(log_dir), case=entry)
     out["wall_s"] = round(time.monotonic() - began, 1)
     return out
 
@@ -506,7 +520,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--upstream-python", type=Path, default=bench_train_step.UPSTREAM_PYTHON)
     parser.add_argument(
         "--only",
-        default="train_step,gather,init,scaling,cpu_adam,agreement,gpt2_small,sequence_parallel,hierarchical,aio",
+        default="train_step,gather,init,scaling,cpu_adam,agreement,gpt2_small,sequence_parallel,hierarchical,aio,"
+        "nvme_optimizer",
         help="comma list of sections to run (others null, or kept with --update)",
     )
     parser.add_argument(
@@ -534,6 +549,7 @@ def main(argv=None) -> int:
         "sequence_parallel": lambda tmp: run_sequence_parallel(opts),
         "hierarchical": lambda tmp: run_hierarchical(opts),
         "aio": lambda tmp: run_aio(opts),
+        "nvme_optimizer": lambda tmp: run_nvme_optimizer(opts, tmp),
     }
     only = {name for name in opts.only.split(",") if name}
     unknown = sorted(only - set(runners))

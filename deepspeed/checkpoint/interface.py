@@ -38,6 +38,10 @@ class CheckpointOptimizer(Protocol):
     def mark_master_current(self, state: ParamShard) -> None:
         """The shard and the master agree again: an edit made before a load is gone."""
 
+    def resident(self) -> Any:
+        """A context manager in which the masters and the optimizer state are in host memory
+        (NVMe-swapped ones read in for the block and written back after); save and load run in it."""
+
 
 class CheckpointEngine(Protocol):
     """An engine the checkpoint code can save and load; one line per method says what it gives."""

@@ -155,7 +155,10 @@ _CHECKPOINT_DEFAULTS = types.MappingProxyType(_CHECKPOINT_DEFAULTS)  # read-only
 
 
 def _aio_supported(value: Optional[dict]) -> bool:
-    return all(_AIO_DEFAULTS.get(k, object()) == v for k, v in (value or {}).items())
+    # Every upstream key is acted on by NVMe offload's handles (swap_store.AioSettings) except
+    # GPUDirect Storage; an unknown key is refused rather than ignored.
+    block = value or {}
+    return set(block) <= set(_AIO_DEFAULTS) and not block.get("use_gds", False)
 
 
 def _checkpoint_supported(value: Optional[dict]) -> bool:
@@ -272,8 +275,9 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
             lambda value: set(value or {}) <= set(_activation_checkpointing_keys()),
         ),
         "aio": Unsupported(
-            "async I/O serves NVMe offload, which is not implemented; remove the block or keep "
-            f"upstream's defaults {dict(_AIO_DEFAULTS)}",
+            "the block takes upstream's keys "
+            f"{sorted(_AIO_DEFAULTS)}, and use_gds (GPUDirect Storage) is not implemented: "
+            "remove unknown keys and set use_gds to false",
             _aio_supported,
         ),
         "elasticity": _off("elastic training"),
@@ -437,7 +441,8 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     """Communication logger (`CommsLoggerConfig`): `deepspeed.comm.configure` reads it."""
 
     aio: FreeForm = None
-    """Async I/O settings for NVMe offload; values other than upstream's defaults are refused."""
+    """Async I/O settings of NVMe offload's swap handles (block_size, queue_depth, thread_count or
+    intra_op_parallelism, single_submit, overlap_events); use_gds true and unknown keys are refused."""
 
     elasticity: FreeForm = None
     """Elastic training settings; refused unless absent, empty or switched off."""

@@ -178,11 +178,12 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         if client is None and self._config.optimizer_name is None:
             return None  # an inference engine: forward gathers and releases, nothing trains
         offload = self._config.zero_config.offload_optimizer
-        on_cpu = offload is not None and offload.device == "cpu"
+        on_cpu = offload is not None and offload.device in ("cpu", "nvme")  # nvme: steps on the CPU too
         placement = {
             "master_device": torch.device("cpu") if on_cpu else None,
             # Pinning means nothing where the accelerator is the CPU itself.
             "pin_masters": on_cpu and offload.pin_memory and get_accelerator().device_name() != "cpu",
+            "swap": offload if on_cpu and offload.device == "nvme" else None,
         }
         # One wrapper for every stage, under upstream's class name for the stage.
         return self.zero.optimizer_class(

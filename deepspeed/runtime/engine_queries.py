@@ -220,7 +220,9 @@ class EngineQueries:
         return offload is not None and offload.device == "cpu"
 
     def zero_use_cpu_optimizer(self) -> bool:
-        return self.zero_cpu_offload()
+        """Whether the step runs on the CPU: optimizer offload to the CPU or to NVMe (as upstream)."""
+        offload = self._config.zero_config.offload_optimizer
+        return offload is not None and offload.device in ("cpu", "nvme")
 
     def get_batch_info(self) -> tuple:
         """`(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)`."""

@@ -23,6 +23,7 @@ parameter is currently gathered, its gathered tensor.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -56,6 +57,19 @@ def _owner(param: Any, action: str, required: bool) -> Optional[tuple]:
             "built without an optimizer"
         )
     return found
+
+
+def _in_memory(optimizer: Any) -> Any:
+    """The optimizer's masters and state in host memory for the block: NVMe-swapped ones are
+    read in, and written back after (a whole rank's state, so these calls are slow there)."""
+    resident = getattr(optimizer, "resident", None)
+    return resident() if resident is not None else contextlib.nullcontext()
+
+
+def _detached(optimizer: Any, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """`tensor` itself, or a copy where it is swapped out again after `_in_memory`'s block."""
+    swapped = getattr(optimizer, "swapper", None) is not None
+    return tensor.clone() if swapped and tensor is not None else tensor
 
 
 def _gather_full(shard: torch.Tensor, state: Any) -> torch.Tensor:
@@ -109,8 +123,9 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
     if found is None:
         return None
     optimizer, state = found
-    optimizer.refresh_edited_masters()  # edits written back through GatheredParameters
-    return _gather_full(optimizer.masters[state.ds_id].data, state)
+    with _in_memory(optimizer):
+        optimizer.refresh_edited_masters()  # edits written back through GatheredParameters
+        return _gather_full(optimizer.masters[state.ds_id].data, state)
 
 
 def safe_get_local_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -119,21 +134,23 @@ def safe_get_local_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
     if found is None:
         return None
     optimizer, state = found
-    optimizer.refresh_edited_masters()
-    return optimizer.masters[state.ds_id].data
+    with _in_memory(optimizer):
+        optimizer.refresh_edited_masters()
+        return _detached(optimizer, optimizer.masters[state.ds_id].data)
 
 
 @torch.no_grad()
 def _set_master(optimizer: Any, state: Any, local: torch.Tensor) -> None:
     from deepspeed.runtime.zero import gather
 
-    optimizer.refresh_edited_masters()  # an older pending edit must not overwrite this value later
-    master = optimizer.masters[state.ds_id]
-    master.data.copy_(local.to(master.device))
-    shard = state.shard
-    if shard.data_ptr() != master.data_ptr():
-        shard.copy_(master.data.to(shard.dtype))
-    optimizer.mark_master_current(state)
+    with _in_memory(optimizer):
+        optimizer.refresh_edited_masters()  # an older pending edit must not overwrite this value later
+        master = optimizer.masters[state.ds_id]
+        master.data.copy_(local.to(master.device))
+        shard = state.shard
+        if shard.data_ptr() != master.data_ptr():
+            shard.copy_(master.data.to(shard.dtype))
+        optimizer.mark_master_current(state)
     # A gathered copy (persistent parameter, live holder) must not keep the old value. The
     # status is the same on every rank, so every rank joins the same re-gathers.
     gather.refresh_gathered([state])
@@ -288,8 +305,9 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     found = _owner(param, "safe_get_full_optimizer_state", required=False)
     if found is None:
         return None
-    local = _opt_state(*found, optim_state_key)
     optimizer, state = found
+    with _in_memory(optimizer):
+        local = _detached(optimizer, _opt_state(optimizer, state, optim_state_key))
     present = torch.tensor([0.0 if local is None else 1.0])
     if getattr(state, "world_size", 1) > 1:
         from deepspeed.accelerator import get_accelerator
@@ -306,18 +324,20 @@ def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) ->
     found = _owner(param, "safe_get_local_optimizer_state", required=False)
     if found is None:
         return None
-    return _opt_state(*found, optim_state_key)
+    with _in_memory(found[0]):
+        return _detached(found[0], _opt_state(*found, optim_state_key))
 
 
 @torch.no_grad()
 def _set_opt_state(optimizer: Any, state: Any, key: str, local: torch.Tensor, action: str) -> None:
-    target = _opt_state(optimizer, state, key)
-    if target is None:
-        raise ValueError(
-            f"{action}: the optimizer has no state {key!r} for this parameter yet; states are created by the "
-            "first step (call it after a step, or load a checkpoint)"
-        )
-    target.copy_(local.to(target.device, target.dtype))
+    with _in_memory(optimizer):
+        target = _opt_state(optimizer, state, key)
+        if target is None:
+            raise ValueError(
+                f"{action}: the optimizer has no state {key!r} for this parameter yet; states are created by "
+                "the first step (call it after a step, or load a checkpoint)"
+            )
+        target.copy_(local.to(target.device, target.dtype))
 
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:

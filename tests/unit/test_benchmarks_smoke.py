@@ -367,3 +367,17 @@ def test_gpu_bench_largest_search_doubles_then_bisects():
     found = bench_gpu.search(opts, slow, spec, 60)
     assert asked == [8, 16] and found["layers"] == 8 and found["failed_at_layers"] is None
     assert not found["bracket_closed"] and found["probes"][-1]["timed_out"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_run_all_quick_nvme_optimizer(tmp_path):
+    """The nvme_optimizer section alone: ZeRO-2 with offload_optimizer nvme beside cpu, both timed."""
+    _run("run_all.py", "--skip-upstream", "--out-dir", str(tmp_path), "--only", "nvme_optimizer", timeout=280)
+    n = json.loads((tmp_path / "latest.json").read_text())["nvme_optimizer"]
+    assert n["ours_stage2_offload_s"] > 0 and n["ours_stage2_nvme_s"] > 0, n["case"]["error_reasons"]
+    assert n["nvme_ratio_vs_cpu_offload"] == n["ours_stage2_nvme_s"] / n["ours_stage2_offload_s"]
+    # The same losses: the same step, with the state in swap files.
+    losses = n["case"]["final_loss"]
+    assert losses["ours_z2_nvme"] == losses["ours_z2_off"], losses
+    assert "Optimizer offload to NVMe vs CPU" in (tmp_path / "latest.md").read_text()

@@ -76,9 +76,8 @@ READERS = {
 # A realistic refused value per key where the generic one would not show the point.
 SAMPLES = {
     "zero_optimization.offload_param.device": "nvme",
-    "zero_optimization.offload_optimizer.device": "nvme",
     "activation_checkpointing": {"partitioned_activations": True},  # not a key configure() reads
-    "aio": {"block_size": 262144},
+    "aio": {"use_gds": True},  # every other upstream key is acted on by NVMe offload's handles
     "checkpoint": {"load_universal": True},
     "data_types": {"grad_accum_dtype": "bf16"},
     "seq_parallel_communication_data_type": "bf16",
@@ -88,7 +87,6 @@ SAMPLES = {
 # Keys that a refused sample needs beside it, to get past other validation first.
 SAMPLE_SIBLINGS = {
     "zero_optimization.offload_param.device": {"nvme_path": "/tmp/nvme"},
-    "zero_optimization.offload_optimizer.device": {"nvme_path": "/tmp/nvme"},
 }
 
 
@@ -226,15 +224,31 @@ def test_assignment_after_parsing_is_checked():
         cfg.zero_config.legacy_stage1 = True
 
 
-def test_offload_optimizer_to_cpu_parses_and_nvme_is_refused():
+def test_offload_optimizer_to_cpu_and_nvme_parse():
     cfg = _config_with("zero_optimization.offload_optimizer", {"device": "cpu", "pin_memory": True})
     block = DeepSpeedConfig(cfg).zero_config.offload_optimizer
     assert block.device == "cpu" and block.pin_memory
     nvme = _config_with("zero_optimization.offload_optimizer", {"device": "nvme", "nvme_path": "/tmp/nvme"})
-    with pytest.raises(
-        ValueError, match=r"offload_optimizer\.device='nvme'.*not implemented.*'cpu' or 'none'"
-    ):
-        DeepSpeedConfig(nvme)
+    assert str(DeepSpeedConfig(nvme).zero_config.offload_optimizer.nvme_path) == "/tmp/nvme"
+    with pytest.raises(ValueError, match=r"offload_optimizer.device='nvme' needs nvme_path"):
+        DeepSpeedConfig(_config_with("zero_optimization.offload_optimizer", {"device": "nvme"}))
+
+
+def test_aio_block_is_acted_on_and_gds_refused():
+    from deepspeed.runtime.swap_tensor.swap_store import AioSettings
+
+    block = {"block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 2, "single_submit": True}
+    cfg = DeepSpeedConfig({"train_batch_size": 1, "aio": block})
+    settings = AioSettings.from_block(cfg.typed_config.aio)
+    assert (settings.block_size, settings.queue_depth, settings.thread_count, settings.single_submit) == (
+        262144,
+        32,
+        2,
+        True,
+    )
+    for bad in ({"use_gds": True}, {"bogus": 1}):
+        with pytest.raises(ValueError, match=r"aio=.*use_gds \(GPUDirect Storage\) is not implemented"):
+            DeepSpeedConfig({"train_batch_size": 1, "aio": bad})
 
 
 # ----------------------------------------------------------------------------------------

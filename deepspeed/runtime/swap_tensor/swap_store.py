@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["AioSettings", "PinnedBufferPool", "SwapSpaceError", "SwapStore"]
+__all__ = ["AioSettings", "PinnedBufferPool", "SwapSpaceError", "SwapStore", "io_size"]
 
 # Direct I/O needs the buffer, the byte count and the file offset on this boundary; files are
 # reserved in multiples of it so every whole-file transfer of a pool buffer can go direct.
@@ -71,6 +71,12 @@ class AioSettings:
 
 def _round_up(nbytes: int) -> int:
     return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def io_size(nbytes: int) -> int:
+    """`nbytes` rounded up to the direct-I/O block: what a key's file holds, and the length a
+    transfer of a whole pool buffer may use so that it can go `O_DIRECT`."""
+    return _round_up(nbytes)
 
 
 def _remove_dead_folders(root: Path) -> None:
@@ -138,6 +144,12 @@ class SwapStore:
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise self._space_error(size, shutil.disk_usage(self.folder).free) from e
+            if e.errno == errno.EFBIG:  # RLIMIT_FSIZE (`ulimit -f`), or the file system's own cap
+                raise SwapSpaceError(
+                    errno.EFBIG,
+                    f"NVMe swap file {self.path(key)!r} needs {size} bytes, more than this process may "
+                    "write to one file (ulimit -f, or the file system's largest file); raise the limit",
+                ) from e
             raise
         finally:
             os.close(fd)
@@ -151,6 +163,16 @@ class SwapStore:
         """Remove `key`'s file (its tensor changed size); wait for any I/O on it first."""
         if self._capacity.pop(key, None) is not None:
             os.remove(self.path(key))
+
+    def reserve_many(self, sizes: dict) -> None:
+        """`reserve` each `key: nbytes`, after checking the disk has room for all of them, so a
+        full disk is named with the whole amount before any file is made."""
+        total = sum(_round_up(max(n, 1)) for n in sizes.values())
+        free = shutil.disk_usage(self.folder).free
+        if total > free:
+            raise self._space_error(total, free)
+        for key, nbytes in sizes.items():
+            self.reserve(key, nbytes)
 
     def reserved_bytes(self) -> int:
         return sum(self._capacity.values())

@@ -103,8 +103,6 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         "elastic_checkpoint": "checkpoints always load on any number of ranks, as if true",
         "round_robin_gradients": "upstream's order of CPU gradient copies under offload; here each "
         "rank copies its own gradient slices as they are reduced, with the same results",
-        "sub_group_size": "the optimizer step is element-wise over each rank's fp32 shards and needs "
-        "no flat sub-group buffers, so every value gives upstream's results with no buffer to bound",
         "memory_efficient_linear": "torch's linear already saves only its input for backward, not "
         "a gathered weight copy, which is what upstream's variant avoids",
     }
@@ -147,7 +145,10 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Keep optimizer state on the CPU or NVMe and step there (`DeepSpeedZeroOffloadOptimizerConfig`)."""
 
     sub_group_size: int = Field(int(1e9), ge=0)
-    """Stage 3: parameter elements per optimizer sub-group (tile) stepped at once."""
+    """With `offload_optimizer.device` "nvme" (any stage): fp32 master elements per sub-group the
+    step reads, updates and writes back at once (one master larger than this is a group of its
+    own); it sizes the swap buffers. Elsewhere the step is element-wise over each rank's shards
+    and has no sub-groups, so the value changes nothing there."""
 
     prefetch_bucket_size: int = Field(int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
     """Stage 3: maximum number of parameter elements prefetched ahead of use."""

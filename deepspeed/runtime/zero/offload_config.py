@@ -91,47 +91,48 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
 
 
 class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
-    """`zero_optimization.offload_optimizer`: keep optimizer state (and its step) on the CPU.
+    """`zero_optimization.offload_optimizer`: keep optimizer state (and its step) off the accelerator.
 
     Valid with stages 1, 2 and 3. With ``device: "cpu"`` the fp32 master slices, their
     gradients and the optimizer state live on the CPU (pinned with `pin_memory`, where the
     accelerator pins) and the step runs there, with `DeepSpeedCPUAdam` for Adam/AdamW
-    configs; the accelerator then holds only the training-dtype parameters. ``device: "nvme"`` is refused, so
-    the NVMe tuning keys parse with any value and change nothing (as upstream with "cpu").
+    configs; the accelerator then holds only the training-dtype parameters. With
+    ``device: "nvme"`` the masters and the optimizer state live in swap files under
+    `nvme_path` and stream through the CPU step in sub-groups (docs/nvme.md); the NVMe keys
+    below tune that and change nothing with "cpu" or "none" (as upstream).
     """
 
     _unsupported: ClassVar[dict[str, Unsupported]] = {
-        "device": Unsupported(
-            "NVMe optimizer offload is not implemented; use 'cpu' or 'none'",
-            lambda device: device != OffloadDeviceEnum.nvme,
-        ),
         "ratio": Unsupported("partial optimizer offload (ratio < 1) is not implemented; use 1.0"),
         "super_offload": Unsupported("SuperOffload is not implemented; remove the key"),
         "cpuadam_cores_perc": Unsupported("SuperOffload's CPU core split is not implemented; remove the key"),
     }
     _no_effect: ClassVar[dict[str, str]] = {
-        name: _nvme_tuning(name)
-        for name in ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")
+        "fast_init": "upstream's switch to skip initialising the swapped optimizer state at set-up; here "
+        "that state is never initialised at set-up (the optimizer creates it in its first step, and set-up "
+        "only reserves the files and writes the masters), so true and false both start as fast",
     }
 
     device: OffloadDeviceEnum = OffloadDeviceEnum.none
     """Where optimizer state lives: "none" (the accelerator), "cpu" or "nvme"."""
 
     nvme_path: Optional[Path] = None
-    """Directory on the NVMe drive used when `device` is "nvme"."""
+    """Directory on the NVMe drive used when `device` is "nvme" (required then); swap files go
+    under `<nvme_path>/zero_swap/` and are removed when the process ends."""
 
     buffer_count: int = Field(4, ge=0)
-    """Buffers in the NVMe swap pool; at least the optimizer's states per parameter (Adam: 4)."""
+    """Bound on the host buffers NVMe swapping stages through: a sub-group uses one per swapped
+    kind (the masters and each state tensor: Adam 3), times 1 + pipeline_read + pipeline_write."""
 
     pin_memory: bool = True
     """Use page-locked CPU memory where the accelerator pins: faster copies, at the cost of
     pinned host memory (upstream's default, True)."""
 
     pipeline_read: bool = False
-    """NVMe: read the next tile of optimizer state while the current tile is updated."""
+    """NVMe: read the next sub-group's state while the current one steps (else read it after)."""
 
     pipeline_write: bool = False
-    """NVMe: write the previous tile of optimizer state while the current tile is updated."""
+    """NVMe: write a sub-group back while the next one steps (else wait for the write)."""
 
     fast_init: bool = False
     """NVMe: initialise the swapped optimizer state quickly."""
@@ -144,6 +145,15 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
 
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
     """Upstream SuperOffload: fraction of CPU cores given to CPU Adam."""
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self):
+        if self.device == OffloadDeviceEnum.nvme and self.nvme_path is None:
+            raise ValueError(
+                "zero_optimization.offload_optimizer.device='nvme' needs nvme_path: set it to a folder on "
+                "the drive to swap the optimizer state to"
+            )
+        return self
 
     @property
     def pipeline(self) -> bool:

@@ -77,6 +77,9 @@ def state_tensors(engine: Any, kind: OffloadStateTypeEnum) -> list:
     elif kind is OffloadStateTypeEnum.contiguous_grad_buffer:
         reducer = getattr(engine, "reducer", None)
         found += list(getattr(reducer, "_spare", []))
+    swapper = getattr(zero, "swapper", None)
+    if swapper is not None:  # NVMe: a swapped-out tensor holds no memory to move (nvme_optimizer.py)
+        found = [t for t in found if t is None or not swapper.holds(t)]
     unique = {id(t): t for t in found if t is not None}
     return list(unique.values())
 

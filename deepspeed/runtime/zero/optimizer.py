@@ -39,6 +39,7 @@ for the same master before that settles the first two.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Optional, Union
 
@@ -219,6 +220,7 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         before_zero_grad: Optional[Callable[[], None]] = None,
         leaf_grads: Any = None,
         parameter_offload: Any = None,
+        swap: Any = None,
     ) -> None:
         self.config = config
         self._module = module  # for parameter names in errors
@@ -235,6 +237,10 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         # owns the module hooks (hooks.py's note on the hooks under upstream's names); None below stage 3.
         self.parameter_offload = parameter_offload
         self.pin_masters = pin_masters
+        # `offload_optimizer` with device "nvme": masters and state live in swap files
+        # (nvme_optimizer.py's note); None keeps them in memory.
+        self.swap_config = swap
+        self.swapper = None
         # ds_id -> pinned fp32 buffer an offloaded master's gradient lands in, kept across steps,
         # and whether copies into them may still be in flight (see the note above).
         self._host_grads: dict = {}
@@ -257,6 +263,8 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             source = _param_groups(module, model_parameters)
         groups = self._master_groups(module, source, master_device)
         self.optimizer = self._wrap_optimizer(client_optimizer, groups)
+        if swap is not None:
+            self.swapper = self._build_swapper(swap)
         self.loss_scaler = CreateLossScaler(
             torch.float16 if config.fp16_enabled else torch.float32,
             config.loss_scale,
@@ -292,14 +300,19 @@ class ZeroStage3Optimizer(ZeROOptimizer):
 
     def _make_master(self, state: ZeroParamState, device: Optional[torch.device]) -> nn.Parameter:
         target = torch.device(device) if device is not None else state.shard.device
-        if state.shard.dtype == torch.float32 and state.shard.device == target and state.swapper is None:
+        if (
+            state.shard.dtype == torch.float32
+            and state.shard.device == target
+            and state.swapper is None
+            and self.swap_config is None
+        ):
             # fp32 training: the shard already is this rank's fp32 slice; the master shares it
             # (4 bytes per parameter less) and the write-back after a step has nothing to copy.
             # A partition swapped to NVMe is not always in memory: its master is a copy.
             master = nn.Parameter(state.shard.detach())
         else:
             data = state.shard.detach().to(target, torch.float32, copy=True)
-            if self.pin_masters:
+            if self.pin_masters and self.swap_config is None:  # a swapped master lives in pool buffers
                 data = get_accelerator().pin_memory(data)
             master = nn.Parameter(data)
         master.grad = None  # allocated by the first reduced gradient, freed after each step
@@ -308,6 +321,27 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         self.states.append(state)
         self.group = state.group
         return master
+
+    def _build_swapper(self, offload: Any) -> Any:
+        """Move the masters (and any state) into swap files; every rank raises if any failed."""
+        from deepspeed.runtime.swap_tensor.swap_store import AioSettings
+        from deepspeed.runtime.zero.nvme_optimizer import OptimizerSwapper, agree_on_setup
+
+        masters = [m for group in self.optimizer.param_groups for m in group["params"]]
+        aio = AioSettings.from_block(self.config.typed_config.aio)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        sub_group = self.config.zero_config.sub_group_size
+        return agree_on_setup(
+            "zero_optimization.offload_optimizer (device 'nvme') set-up",
+            lambda: OptimizerSwapper(
+                self.optimizer, masters, offload, sub_group, aio, f"optimizer_rank{rank}"
+            ),
+        )
+
+    def resident(self) -> Any:
+        """A context in which every master and optimizer state tensor is in host memory: a
+        no-op, unless they are swapped to NVMe (nvme_optimizer.py's [Note: a swapped-out tensor])."""
+        return contextlib.nullcontext() if self.swapper is None else self.swapper.resident()
 
     def _wrap_optimizer(self, client: Any, groups: list) -> torch.optim.Optimizer:
         if client is None:
@@ -486,9 +520,10 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         the masters. Here masters are per parameter; change them through `load_state_dict` or
         `deepspeed.utils.safe_set_local_fp32_param`, not through these copies."""
         out = []
-        for group in self.optimizer.param_groups:
-            masters = [m.detach().reshape(-1) for m in group["params"]]
-            out.append(torch.cat(masters) if masters else torch.empty(0, dtype=torch.float32))
+        with self.resident():
+            for group in self.optimizer.param_groups:
+                masters = [m.detach().reshape(-1) for m in group["params"]]
+                out.append(torch.cat(masters) if masters else torch.empty(0, dtype=torch.float32))
         return out
 
     def get_fp32_grad_partitions(self) -> dict:
@@ -585,23 +620,39 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             factor *= self.clip / (norm + 1e-6)
         if factor != 1.0:
             torch._foreach_mul_(self._grads(), factor)
-        self.refresh_edited_masters()
-        self.optimizer.step()
-        self._write_back_masters()
+        if self.swapper is None:
+            self.refresh_edited_masters()
+            self.optimizer.step()
+            self._write_back_masters()
+        else:
+            self.swapper.step(self._step_sub_group)
         if self.after_step is not None:
             self.after_step()
         self.loss_scaler.update_scale(False)
         return True
 
+    def _step_sub_group(self, masters: list) -> None:
+        """NVMe: one sub-group's step, its masters and state read in (nvme_optimizer.py)."""
+        from deepspeed.runtime.zero.nvme_optimizer import step_only
+
+        ids = {id(m) for m in masters}
+        states = [s for s in self.states if id(self.masters[s.ds_id]) in ids]
+        self.refresh_edited_masters(states)
+        step_only(self.optimizer, masters)
+        self._write_back_masters(states)
+
     @torch.no_grad()
-    def refresh_edited_masters(self) -> None:
+    def refresh_edited_masters(self, states: Optional[list] = None) -> None:
         """Copy shards edited since the last step or load into their masters (local, no collective).
 
         A `GatheredParameters(modifier_rank=...)` edit lands in the shard; a bf16/fp16 master
         (a separate copy) would still hold the old value. Every reader of the masters calls
         this first: `step()`, and `save_checkpoint` (whose files zero_to_fp32 reads).
         """
-        for state in self.states:
+        if states is None and self.swapper is not None and not self.swapper.is_resident:
+            # Swapped masters are refreshed group by group as each steps (and inside resident()).
+            return
+        for state in self.states if states is None else states:
             if state.shard_version != self._master_versions[state.ds_id]:
                 master = self.masters[state.ds_id]
                 if master.data_ptr() != state.shard.data_ptr():
@@ -613,8 +664,8 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         self._master_versions[state.ds_id] = state.shard_version
 
     @torch.no_grad()
-    def _write_back_masters(self) -> None:
-        for state in self.states:
+    def _write_back_masters(self, states: Optional[list] = None) -> None:
+        for state in self.states if states is None else states:
             master = self.masters[state.ds_id]
             if state.swapper is not None:  # written out when evicted; never read just to overwrite
                 state.swapper.overwrite(state, master.data)
@@ -631,13 +682,21 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         return torch.tensor(norm, dtype=torch.float32)
 
     def state_dict(self) -> dict:
+        with self.resident():
+            inner = self.optimizer.state_dict()
+            if self.swapper is not None:  # copies: the swapped tensors leave memory after the block
+                inner["state"] = {
+                    k: {n: v.clone() if torch.is_tensor(v) else v for n, v in per.items()}
+                    for k, per in inner["state"].items()
+                }
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": inner,
             "loss_scaler": self.loss_scaler.state_dict(),
             "overflow": self.overflow,
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        self.optimizer.load_state_dict(sd["optimizer"])
+        with self.resident():
+            self.optimizer.load_state_dict(sd["optimizer"])
         self.loss_scaler.load_state_dict(sd["loss_scaler"])
         self.overflow = sd.get("overflow", False)

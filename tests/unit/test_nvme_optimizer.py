@@ -1,0 +1,311 @@
+"""`offload_optimizer.device: "nvme"`: the same training as CPU offload, with the state in swap files.
+
+Parity is exact: the NVMe run steps the same CPU optimizer over the same masters, one
+sub-group at a time, so losses, parameters and optimizer state must equal CPU offload's bit
+for bit, at stages 1, 2 and 3, with and without pipelining, over several sub-groups, with
+gradient accumulation and clipping. Checkpoints move between NVMe and CPU runs both ways.
+"""
+
+import resource
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.runtime.swap_tensor.swap_store import AioSettings, SwapSpaceError, SwapStore
+from deepspeed.runtime.zero.nvme_optimizer import minimum_buffer_count, state_kinds
+from tests.unit.common import DistributedTest
+from tests.unit.test_engine import TinyLM, batches, config, my_slice
+
+GAS = 2
+
+
+def build(
+    stage, device, nvme_path=None, sub_group_size=300, pipeline=(False, False), buffer_count=9, **extra
+):
+    off = {"device": device}
+    if device == "nvme":
+        off.update(pipeline_read=pipeline[0], pipeline_write=pipeline[1], buffer_count=buffer_count)
+        if nvme_path is not None:
+            off["nvme_path"] = str(nvme_path)
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 300}
+    zero.update(offload_optimizer=off, sub_group_size=sub_group_size)
+    cfg = config(gas=GAS, clip=0.05, zero_optimization=zero)
+    cfg["optimizer"]["params"].pop("torch_adam")  # DeepSpeedCPUAdam, as offload runs Adam
+    cfg.update(extra)
+    torch.manual_seed(42)
+    engine, *_ = deepspeed.initialize(model=TinyLM(), config=cfg)
+    return engine
+
+
+def train(engine, data):
+    losses = []
+    for ids, labels in data:
+        for micro in range(GAS):
+            loss = engine(my_slice(ids, micro, GAS), my_slice(labels, micro, GAS))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def shards(engine):
+    """This rank's training-dtype shard of every parameter (stage 3) or the whole parameters."""
+    return [getattr(p, "ds_tensor", p).detach().clone() for p in engine.module.parameters()]
+
+
+def adam_state(engine):
+    with engine.optimizer.resident():
+        state = engine.optimizer.optimizer.state
+        return [
+            (state[m]["exp_avg"].clone(), state[m]["exp_avg_sq"].clone(), m.detach().clone())
+            for m in engine.optimizer.masters.values()
+        ]
+
+
+def assert_same(a, b, what):
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b)):
+        if isinstance(x, tuple):
+            assert all(torch.equal(u, v) for u, v in zip(x, y)), f"{what}: entry {i} differs"
+        else:
+            assert torch.equal(x, y), f"{what}: entry {i} differs"
+
+
+def swap_folder(tmp_path) -> Path:
+    # One nvme_path for every rank (the config must agree): each process swaps into its own
+    # host-pid folder under it.
+    return tmp_path / "nvme"
+
+
+# (stage, (pipeline_read, pipeline_write)): each stage once and each pipelining in the default
+# run; the rest of the grid behind the slow marker.
+CASES = [(1, (False, False)), (2, (True, False)), (3, (True, True))]
+MORE_CASES = [(1, (True, True)), (2, (False, True)), (3, (False, False))]
+
+
+def check_parity(tmp_path, cases):
+    data, more = batches(2), batches(1, seed=1)
+    for stage, pipeline in cases:
+        reference = build(stage, "cpu")
+        expected = (train(reference, data), shards(reference), adam_state(reference))
+        reference.offload_states()
+        reference.reload_states()
+        expected_after = train(reference, more)
+        folder = swap_folder(tmp_path) / f"s{stage}"
+        folder.mkdir(parents=True, exist_ok=True)
+        engine = build(stage, "nvme", folder, pipeline=pipeline)
+        swapper = engine.optimizer.swapper
+        assert len(swapper.groups) >= 3, "sub_group_size 300 cuts the masters into several groups"
+        got = train(engine, data)
+        case = f"stage {stage}, pipeline {pipeline}"
+        assert got == expected[0], f"{case}: losses {got} vs {expected[0]}"
+        assert_same(shards(engine), expected[1], f"{case}: parameters")
+        assert_same(adam_state(engine), expected[2], f"{case}: masters and Adam state")
+        # Between steps no master or state tensor holds memory: each is a swapped sentinel.
+        for master in engine.optimizer.masters.values():
+            assert swapper.holds(master) and torch.isnan(master[:1]).all()
+            state = engine.optimizer.optimizer.state[master].values()
+            assert all(swapper.holds(t) for t in state if torch.is_tensor(t) and t.dim() > 0)
+        assert swapper.pool.free == len(swapper.pool._buffers), "every buffer is back in the pool"
+        # offload_states has nothing of the swapped states to move; the rest moves and returns.
+        engine.offload_states()
+        engine.reload_states()
+        assert train(engine, more) == expected_after, f"{case}: after offload_states / reload_states"
+        if stage == 3:  # a fragment setter writes the swapped master (and the shard) through resident()
+            from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+            param = next(engine.module.parameters())
+            safe_set_full_fp32_param(param, torch.full(param.ds_shape, 0.25))
+            assert (safe_get_full_fp32_param(param) == 0.25).all() and (param.ds_tensor == 0.25).all()
+            assert all(swapper.holds(m) for m in engine.optimizer.masters.values())
+        mine = swapper.store.folder.parent
+        assert mine.parent == folder / "zero_swap" and list(mine.rglob("group*.swp"))
+        swapper.close()
+        assert not mine.exists(), "closing removes the scratch files"
+
+
+class TestNvmeOptimizerParity(DistributedTest):
+    world_size = 2
+
+    def test_stages_and_pipelines(self, tmp_path):
+        check_parity(tmp_path, CASES)
+
+    def test_other_torch_optimizer_and_bf16(self, tmp_path):
+        # SGD with momentum: its per-element state (momentum_buffer) is learnt by the probe and swapped.
+        data = batches(2)
+        runs = []
+        for device in ("cpu", "nvme"):
+            folder = swap_folder(tmp_path) / device
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.manual_seed(42)
+            model = TinyLM()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            off = {"device": device, "nvme_path": str(folder), "buffer_count": 2}
+            cfg = config(gas=GAS, clip=0.05, zero_force_ds_cpu_optimizer=False, bf16={"enabled": True})
+            cfg["aio"] = {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 2}
+            cfg["zero_optimization"] = {"stage": 2, "offload_optimizer": off, "sub_group_size": 500}
+            del cfg["optimizer"]
+            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+            runs.append((train(engine, data), shards(engine)))
+            if device == "nvme":
+                swapper = engine.optimizer.swapper
+                assert list(swapper.kinds) == ["fp32_master", "momentum_buffer"]
+                for handle in (swapper.store._reads, swapper.store._writes):  # the aio block, acted on
+                    assert (handle.get_block_size(), handle.get_queue_depth(), handle.get_thread_count()) == (
+                        262144,
+                        4,
+                        2,
+                    )
+        assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 2 * GAS
+        assert runs[0][0] != [] and runs[0][0][0] != runs[0][0][-1]
+        assert_same(runs[0][1], runs[1][1], "bf16 SGD parameters")
+
+
+@pytest.mark.slow
+class TestNvmeOptimizerParityGrid(DistributedTest):
+    world_size = 2
+
+    def test_other_pipelines(self, tmp_path):
+        check_parity(tmp_path, MORE_CASES)
+
+
+class TestNvmeCheckpoints(DistributedTest):
+    world_size = 2
+
+    def test_nvme_to_cpu_to_nvme(self, tmp_path):
+        for stage in (2, 3):
+            round_trip(tmp_path / f"stage{stage}", stage)
+
+
+def round_trip(tmp_path, stage):
+    data = batches(3)
+    reference = build(stage, "cpu")
+    expected = train(reference, data)
+    ckpt = tmp_path / "ckpt"
+    nvme = swap_folder(tmp_path)
+    (nvme / "a").mkdir(parents=True, exist_ok=True)
+    first = build(stage, "nvme", nvme / "a")
+    # Upstream's queries: the step runs on the CPU, though the state is not in CPU memory.
+    assert first.zero_use_cpu_optimizer() and not first.zero_cpu_offload()
+    losses = train(first, data[:1])
+    first.save_checkpoint(str(ckpt), tag="one")
+    assert not list(ckpt.rglob("*.swp")), "swap files are scratch, never part of a checkpoint"
+    assert all(first.optimizer.swapper.holds(m) for m in first.optimizer.masters.values())
+    second = build(stage, "cpu")
+    second.load_checkpoint(str(ckpt), tag="one")
+    losses += train(second, data[1:2])
+    second.save_checkpoint(str(ckpt), tag="two")
+    (nvme / "b").mkdir(exist_ok=True)
+    third = build(stage, "nvme", nvme / "b", pipeline=(True, False))
+    third.load_checkpoint(str(ckpt), tag="two")
+    assert all(third.optimizer.swapper.holds(m) for m in third.optimizer.masters.values())
+    losses += train(third, data[2:])
+    assert losses == expected, f"{losses} vs {expected}"
+    assert_same(adam_state(third), adam_state(reference), "masters and Adam state after the round trip")
+    # The fragment helpers read and write the swapped state (through resident()).
+    from deepspeed.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_optimizer_state,
+    )
+
+    for ref, param in zip(reference.module.parameters(), third.module.parameters()):
+        assert torch.equal(safe_get_full_fp32_param(param), safe_get_full_fp32_param(ref))
+        got = safe_get_full_optimizer_state(param, "exp_avg_sq")
+        assert torch.equal(got, safe_get_full_optimizer_state(ref, "exp_avg_sq"))
+    assert all(third.optimizer.swapper.holds(m) for m in third.optimizer.masters.values())
+    # The optimizer's own state_dict is a copy taken while the state was read in.
+    sd = third.optimizer.state_dict()["optimizer"]["state"]
+    assert all(
+        not torch.isnan(v).any()
+        for per in sd.values()
+        for v in per.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
+
+
+class TestNvmeSetupFailures(DistributedTest):
+    world_size = 2
+
+    def test_full_disk_on_one_rank_fails_every_rank(self, tmp_path):
+        # A real limit, not a patched one: rank 1 may write no file larger than 1 KiB
+        # (RLIMIT_FSIZE), so reserving its swap files fails in posix_fallocate with EFBIG.
+        folder = swap_folder(tmp_path)
+        folder.mkdir(exist_ok=True)
+        old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        if dist.get_rank() == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 10, old_limit[1]))
+        try:
+            with pytest.raises((SwapSpaceError, RuntimeError)) as err:
+                build(1, "nvme", folder, sub_group_size=10**9)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+            signal.signal(signal.SIGXFSZ, old_handler)
+        if dist.get_rank() == 1:
+            assert isinstance(err.value, SwapSpaceError)
+            assert "needs" in str(err.value) and "bytes" in str(err.value) and str(folder) in str(err.value)
+        else:
+            assert "failed on 1 of 2 rank(s): rank 1: SwapSpaceError" in str(err.value)
+        dist.barrier()  # both ranks have cleaned up
+        assert not list(folder.rglob("*.swp")), "a failed set-up leaves no swap file on any rank"
+
+    def test_io_error_in_a_step_on_one_rank_fails_every_rank(self, tmp_path):
+        import errno
+
+        folder = swap_folder(tmp_path)
+        folder.mkdir(exist_ok=True)
+        engine = build(2, "nvme", folder, pipeline=(True, True))
+        if dist.get_rank() == 1:
+
+            def broken(*args, **kwargs):
+                raise OSError(errno.EIO, "Input/output error (injected)")
+
+            engine.optimizer.swapper.store.write = broken
+        ids, labels = batches(1)[0]
+        for micro in range(GAS):
+            engine.backward(engine(my_slice(ids, micro, GAS), my_slice(labels, micro, GAS)))
+            if micro < GAS - 1:
+                engine.step()
+        with pytest.raises((OSError, RuntimeError)) as err:
+            engine.step()
+        if dist.get_rank() == 1:
+            assert "injected" in str(err.value)
+        else:
+            assert "failed on 1 other rank(s)" in str(err.value)
+        assert engine.optimizer.swapper.pool.free == len(engine.optimizer.swapper.pool._buffers)
+
+    def test_config_errors(self, tmp_path):
+        folder = swap_folder(tmp_path)
+        folder.mkdir(exist_ok=True)
+        with pytest.raises(
+            ValueError, match=r"buffer_count=4 is too few.*need at least 9; raise buffer_count to 9"
+        ):
+            build(1, "nvme", folder, pipeline=(True, True), buffer_count=4)
+        with pytest.raises(ValueError, match=r"offload_optimizer.device='nvme' needs nvme_path"):
+            build(1, "nvme", None)
+
+
+def test_buffer_minimum_and_kinds():
+    assert minimum_buffer_count(3, False, False) == 3
+    assert minimum_buffer_count(3, True, False) == 6
+    assert minimum_buffer_count(3, True, True) == 9
+    p = torch.nn.Parameter(torch.zeros(4))
+    assert [k for k, _ in state_kinds(torch.optim.AdamW([p]))] == ["exp_avg", "exp_avg_sq"]
+    assert [k for k, _ in state_kinds(torch.optim.SGD([p], lr=0.1, momentum=0.9))] == ["momentum_buffer"]
+    assert state_kinds(torch.optim.SGD([p], lr=0.1)) == []
+
+
+def test_disk_too_small_is_named_with_the_total(tmp_path, monkeypatch):
+    import shutil
+
+    store = SwapStore(tmp_path, "optimizer", AioSettings())
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=10_000))
+    with pytest.raises(SwapSpaceError, match=r"needs 12288 more bytes under .* but the disk has 10000 free"):
+        store.reserve_many({"a": 4096, "b": 4096, "c": 1})
+    assert not list(tmp_path.rglob("*.swp")), "nothing is reserved when the whole amount does not fit"
+    store.close()
