@@ -37,13 +37,6 @@ class OffloadStateTypeEnum(str, enum.Enum):
     contiguous_grad_buffer = "contiguous_grad_buffer"
 
 
-def _nvme_tuning(what: str) -> str:
-    # Lightning's registered `*_offload` strategies write every NVMe knob with device "cpu",
-    # and upstream ignores them unless the device is "nvme". Here "nvme" itself is refused (by
-    # the `device` rule), so these keys can never take effect: every value behaves the same.
-    return f"{what} tunes NVMe offload only; 'device': 'nvme' is refused, and with 'cpu' or 'none' upstream ignores it too"
-
-
 class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     """`zero_optimization.offload_param`: keep partitioned parameters off the accelerator.
 
