@@ -19,6 +19,7 @@ import torch.nn as nn
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.ops.quantizer import int8
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero import quantized as qz
 from deepspeed.utils import groups
@@ -174,6 +175,24 @@ def check_qgz_bound() -> None:
     assert not torch.equal(got, exact)
 
 
+def check_same_without_overlap_or_kernel(run, data: list, zero: dict) -> None:
+    """qgZ's buckets are issued asynchronously under overlap_comm (the stage-3 default) and
+    completed in issue order, and the native quantizer equals the torch path bit for bit: a
+    synchronous run, and a run on the torch path, give the same losses bit for bit."""
+    assert run.engine.reducer.async_calls > 0
+    sync = run_engine(quant_case("both_sync", overlap_comm=False, **zero), data)
+    assert sync.engine.reducer.async_calls == 0 and sync.losses == run.losses
+    if int8.native() is None:
+        return  # the op cannot be built here: every run above was on the torch path
+    real = int8._on_cpu
+    int8._on_cpu = lambda t: None
+    try:
+        torch_path = run_engine(quant_case("both_torch", **zero), data)
+    finally:
+        int8._on_cpu = real
+    assert torch_path.losses == run.losses
+
+
 class TestQuantized(DistributedTest):
     world_size = 2
 
@@ -200,6 +219,8 @@ class TestQuantized(DistributedTest):
                     assert gather.find_discarded_edits(states) == []  # quantized copies are no edits
             if "zero_quantized_gradients" in zero:
                 assert run.engine.reducer.quantized
+            if name == "both":
+                check_same_without_overlap_or_kernel(run, data, zero)
         assert masters_untouched()
         sizes = check_bytes()
         if dist.get_rank() == 0:

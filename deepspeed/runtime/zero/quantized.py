@@ -54,41 +54,19 @@ from typing import Any, Optional
 import torch
 
 from deepspeed import comm as dist
+from deepspeed.ops.quantizer import int8
+
+# The block layout and the torch reference, re-exported: qwZ/qgZ callers and tests name them here.
+from deepspeed.ops.quantizer.int8 import (  # noqa: F401
+    BLOCK,
+    QMAX,
+    blocks_of,
+    dequantize_rows,
+    payload_bytes,
+    quantize_rows,
+)
 from deepspeed.runtime.zero import gather
 from deepspeed.utils import groups
-
-BLOCK = 256  # elements per scale
-QMAX = 127
-
-
-def blocks_of(numel: int, block: int = BLOCK) -> int:
-    return -(-numel // block)
-
-
-def payload_bytes(numel: int, block: int = BLOCK) -> int:
-    """Bytes of the int8 payload (codes and fp32 scales) for `numel` elements."""
-    nb = blocks_of(numel, block)
-    return nb * block + 4 * nb
-
-
-def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple:
-    """`x` `[rows, n]` -> `(codes int8 [rows, nb * block], scales fp32 [rows, nb])` (see the note)."""
-    rows, n = x.shape
-    nb = blocks_of(n, block)
-    padded = torch.zeros(rows, nb * block, dtype=torch.float32, device=x.device)
-    padded[:, :n] = x
-    blocks = padded.view(rows, nb, block)
-    scales = blocks.abs().amax(dim=2) / QMAX
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe.unsqueeze(2)).clamp_(-QMAX, QMAX).to(torch.int8)
-    return codes.view(rows, nb * block), scales
-
-
-def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """`(codes [rows, nb * block], scales [rows, nb])` -> fp32 `[rows, n]`."""
-    rows, nb = scales.shape
-    values = codes.reshape(rows, nb, -1).to(torch.float32) * scales.unsqueeze(2)
-    return values.view(rows, -1)[:, :n]
 
 
 def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple:
@@ -99,20 +77,6 @@ def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple:
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
     return dequantize_rows(codes.view(1, -1), scales.view(1, -1), numel).view(-1)
-
-
-def _pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`[rows, nb * block]` codes and `[rows, nb]` scales -> one int8 `[rows, nb * block + 4 * nb]`."""
-    return torch.cat([codes, scales.contiguous().view(torch.int8)], dim=1)
-
-
-def _unpack(payload: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of `_pack`, dequantized: fp32 `[rows, n]`."""
-    rows, width = payload.shape
-    nb = width // (BLOCK + 4)
-    codes = payload[:, : nb * BLOCK]
-    scales = payload[:, nb * BLOCK :].contiguous().view(torch.float32)
-    return dequantize_rows(codes, scales, n)
 
 
 class QuantizedGatherBucket(gather.GatherBucketBase):
@@ -170,9 +134,13 @@ class QuantizedGatherBucket(gather.GatherBucketBase):
 
 def _quantize_shards(states: list, flat_in: torch.Tensor) -> torch.Tensor:
     """This rank's shards of `states` (back to back in `flat_in`) -> one int8 payload, each shard
-    quantized on its own."""
+    quantized on its own, straight into its slice."""
+    widths = [payload_bytes(s.partition_size) for s in states]
+    payload = torch.empty(sum(widths), dtype=torch.int8, device=flat_in.device)
     pieces = flat_in.split([s.partition_size for s in states])
-    return torch.cat([_pack(*quantize_rows(p.view(1, -1))).view(-1) for p in pieces])
+    for piece, dest in zip(pieces, payload.split(widths)):
+        int8.pack_rows(piece.view(1, -1), out=dest.view(1, -1))
+    return payload
 
 
 def _dequantize_into(out: torch.Tensor, states: list, world: int, dests: list) -> None:
@@ -181,7 +149,7 @@ def _dequantize_into(out: torch.Tensor, states: list, world: int, dests: list) -
     offset = 0
     for s, dest in zip(states, dests):
         width = payload_bytes(s.partition_size)
-        dest.copy_(_unpack(rows[:, offset : offset + width], s.partition_size))
+        int8.unpack_rows(rows[:, offset : offset + width], s.partition_size, out=dest)
         offset += width
 
 
@@ -215,11 +183,30 @@ def check_config(config: Any) -> None:
 def reduce_scatter(send: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
     """qgZ: `send` `[world, total]` (row r: the slice for rank r) -> this rank's summed slice
     `[total]` in `send`'s dtype, through int8 all-to-all (see the note)."""
-    world, total = send.shape
-    payload = _pack(*quantize_rows(send))
-    received = torch.empty_like(payload)
-    dist.all_to_all_single(received.view(-1), payload.view(-1), group=group)
-    return _unpack(received, total).sum(dim=0).to(send.dtype)
+    handle, received = issue_reduce_scatter(send, group)
+    handle.wait()
+    return received
+
+
+def issue_reduce_scatter(
+    send: torch.Tensor, group: Any, two_hop: Optional[TwoHopReduce] = None, async_op: bool = False
+) -> tuple:
+    """Start qgZ's reduction of `send` (one hop over `group`, or `two_hop`'s two): returns
+    `(handle, received)`; `received` (`[total]`, `send`'s dtype) holds this rank's summed slice
+    once `handle.wait()` returned. `send` is quantized before this returns (free to reuse)."""
+    if two_hop is not None:
+        return two_hop.issue(send, async_op)
+    total = send.shape[1]
+    payload = int8.pack_rows(send)
+    got = torch.empty_like(payload)
+    received = torch.empty(total, dtype=send.dtype, device=send.device)
+    handle = dist.all_to_all_single(got.view(-1), payload.view(-1), group=group, async_op=async_op)
+
+    def finish(payload=payload) -> None:  # `payload` kept alive until the exchange is over
+        int8.unpack_sum(got, total, out=received)
+
+    handle.after_wait(finish)
+    return handle, received
 
 
 class TwoHopReduce:
@@ -231,17 +218,34 @@ class TwoHopReduce:
         self.across = across  # the ranks at this rank's position, group rank = node index
 
     def reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
+        handle, received = self.issue(send)
+        handle.wait()
+        return received
+
+    def issue(self, send: torch.Tensor, async_op: bool = False) -> tuple:
+        """The first hop is issued now (asynchronously with `async_op`); the second runs when
+        the handle is waited on, so it is issued in the same order on every rank."""
         n, p = self.nodes, self.per_node
         total = send.shape[1]
-        by_position = send.view(n, p, total).transpose(0, 1).reshape(p * n, total)
-        payload = _pack(*quantize_rows(by_position))
-        received = torch.empty_like(payload)
-        dist.all_to_all_single(received.view(-1), payload.view(-1), group=self.within)
-        partial = _unpack(received, total).view(p, n, total).sum(dim=0)  # [node i] for (i, my position)
-        payload = _pack(*quantize_rows(partial))
-        received = torch.empty_like(payload)
-        dist.all_to_all_single(received.view(-1), payload.view(-1), group=self.across)
-        return _unpack(received, total).sum(dim=0).to(send.dtype)
+        # Rows quantize independently: quantizing in rank order and reordering the int8 rows by
+        # position is the same payload as reordering the floats first, at a quarter the bytes.
+        payload = int8.pack_rows(send).view(n, p, -1).transpose(0, 1).reshape(p * n, -1)
+        got = torch.empty_like(payload)
+        received = torch.empty(total, dtype=send.dtype, device=send.device)
+        handle = dist.all_to_all_single(got.view(-1), payload.view(-1), group=self.within, async_op=async_op)
+
+        def second_hop(payload=payload) -> None:  # `payload` kept alive until the first hop is over
+            by_node = got.view(p, n, -1)
+            partial = torch.empty(n, total, dtype=torch.float32, device=send.device)
+            for i in range(n):  # node i's partial sum for (i, my position)
+                int8.unpack_sum(by_node[:, i], total, out=partial[i])
+            sums = int8.pack_rows(partial)
+            got2 = torch.empty_like(sums)
+            dist.all_to_all_single(got2.view(-1), sums.view(-1), group=self.across)
+            int8.unpack_sum(got2, total, out=received)
+
+        handle.after_wait(second_hop)
+        return handle, received
 
 
 def two_hop_reduce(config: Any, group: Any) -> Optional[TwoHopReduce]:
