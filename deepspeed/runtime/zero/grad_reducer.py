@@ -17,7 +17,9 @@ issued asynchronously and backward goes on computing while it runs; its result i
 the gradient shards when it is waited on. At most `MAX_IN_FLIGHT` buckets are in flight (a
 new one first completes the oldest), so the extra memory is one more bucket's buffers, and
 `flush()` waits on everything, in issue order, so shards accumulate in the same order as the
-synchronous path and the results are bitwise equal. On a group whose collectives complete on
+synchronous path and the results are bitwise equal. qgZ's quantized buckets (quantized.py) go through the
+same queue: quantized at issue, their all-to-all in flight, dequantized and summed when
+waited on. On a group whose collectives complete on
 issue (shared memory, comm/shm.py) there is nothing to overlap: each bucket is packed straight
 into this rank's slot and reduced at once, whatever `overlap_comm` says.
 

@@ -30,7 +30,14 @@ send buffer `[world, total]` (prescaled as usual) has each row, the slice bound 
 quantized block-wise; one `all_to_all_single` delivers to each rank every other rank's
 quantized slice of its shard, which it dequantizes and sums in fp32. Bound: the received sum
 differs from the exact sum by at most `sum_r s_{r,b} / 2` per element, `s_{r,b}` the scale of
-rank r's block. Buckets are reduced synchronously (overlap_comm does not apply to them).
+rank r's block. Under `overlap_comm` a bucket's (first) all-to-all is issued asynchronously
+and backward goes on; it joins grad_reducer's queue of buckets in flight ([Note:
+overlap_comm] there) and is finished, in issue order on every rank, when waited on.
+
+The quantizing itself (`deepspeed.ops.quantizer.int8`) runs a native kernel on CPU tensors:
+one pass quantizes a shard or a send row straight into its payload slice, one dequantizes
+into the gather's destination, one dequantizes and sums the received rows; it equals the
+torch path (which runs on other devices and where the op cannot be built) bit for bit.
 
 Two hops (`TwoHopReduce`), when the parameters' group is the whole world and the node layout
 (`groups.node_layout()`) has `n > 1` nodes of `p > 1` ranks each: first within the node, each
@@ -38,7 +45,8 @@ rank sends its local peer `j` the `n` slices bound for the ranks at position `j`
 node (quantized); peer `j` dequantizes and sums the `p` it receives into `n` partial sums,
 re-quantizes them and sends partial sum `i`, in an all-to-all among the `n` ranks at position
 `j`, to node `i`'s rank. Only the second hop crosses nodes: `(n - 1)` payloads per rank
-instead of `(n - 1) * p`. Bound: the first hop's `sum_r s_r / 2` plus the second hop's
+instead of `(n - 1) * p`. The first hop is the one issued asynchronously; the second
+runs when the bucket is waited on (its input is the first hop's output). Bound: the first hop's `sum_r s_r / 2` plus the second hop's
 `sum_i s'_i / 2`, `s'_i` the scale of node i's partial-sum block.
 
 `zero_quantized_nontrainable_weights`: parameters with `requires_grad=False` gather with qwZ
