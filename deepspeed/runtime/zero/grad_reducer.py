@@ -205,6 +205,7 @@ class GradientReducer:
             if before != 1.0:
                 send.mul_(before)
             self._make_room()
+            self._advance()
             handle, received = quantized.issue_reduce_scatter(send, group, self.two_hop, self.overlap_comm)
             self._spare.append(send_base)  # quantized already: the next bucket may pack into it
             self.reduce_calls += 1
@@ -250,6 +251,14 @@ class GradientReducer:
         if self.overlap_comm:
             while len(self._in_flight) >= MAX_IN_FLIGHT:
                 self._complete(self._in_flight.pop(0))
+
+    def _advance(self) -> None:
+        """Let buckets in flight take their next step without blocking (qgZ's second hop, once
+        the first is over), oldest first, stopping at the first that cannot."""
+        for work in self._in_flight:
+            advance = getattr(work.handle, "advance", None)
+            if advance is None or not advance():
+                return
 
     def _track(self, work: _InFlight) -> None:
         """An issued bucket: in flight with overlap_comm (backward goes on), else completed now."""

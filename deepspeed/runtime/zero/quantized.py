@@ -45,8 +45,9 @@ rank sends its local peer `j` the `n` slices bound for the ranks at position `j`
 node (quantized); peer `j` dequantizes and sums the `p` it receives into `n` partial sums,
 re-quantizes them and sends partial sum `i`, in an all-to-all among the `n` ranks at position
 `j`, to node `i`'s rank. Only the second hop crosses nodes: `(n - 1)` payloads per rank
-instead of `(n - 1) * p`. The first hop is the one issued asynchronously; the second
-runs when the bucket is waited on (its input is the first hop's output). Bound: the first hop's `sum_r s_r / 2` plus the second hop's
+instead of `(n - 1) * p`. The second hop needs the first's output: it is issued when the
+reducer finds the first over (`_TwoHopWork.advance`, at its next bucket), or when the bucket
+is waited on. Bound: the first hop's `sum_r s_r / 2` plus the second hop's
 `sum_i s'_i / 2`, `s'_i` the scale of node i's partial-sum block.
 
 `zero_quantized_nontrainable_weights`: parameters with `requires_grad=False` gather with qwZ
@@ -231,29 +232,57 @@ class TwoHopReduce:
         return received
 
     def issue(self, send: torch.Tensor, async_op: bool = False) -> tuple:
-        """The first hop is issued now (asynchronously with `async_op`); the second runs when
-        the handle is waited on, so it is issued in the same order on every rank."""
+        """`(work, received)`: the first hop issued now (asynchronously with `async_op`); the
+        second when the first is over, see `_TwoHopWork`."""
         n, p = self.nodes, self.per_node
-        total = send.shape[1]
         # Rows quantize independently: quantizing in rank order and reordering the int8 rows by
         # position is the same payload as reordering the floats first, at a quarter the bytes.
         payload = int8.pack_rows(send).view(n, p, -1).transpose(0, 1).reshape(p * n, -1)
         got = torch.empty_like(payload)
-        received = torch.empty(total, dtype=send.dtype, device=send.device)
-        handle = dist.all_to_all_single(got.view(-1), payload.view(-1), group=self.within, async_op=async_op)
+        first = dist.all_to_all_single(got.view(-1), payload.view(-1), group=self.within, async_op=async_op)
+        work = _TwoHopWork(self, first, (payload, got), send)
+        if not async_op:
+            work.wait()
+        return work, work.received
 
-        def second_hop(payload=payload) -> None:  # `payload` kept alive until the first hop is over
-            by_node = got.view(p, n, -1)
-            partial = torch.empty(n, total, dtype=torch.float32, device=send.device)
-            for i in range(n):  # node i's partial sum for (i, my position)
-                int8.unpack_sum(by_node[:, i], total, out=partial[i])
-            sums = int8.pack_rows(partial)
-            got2 = torch.empty_like(sums)
-            dist.all_to_all_single(got2.view(-1), sums.view(-1), group=self.across)
-            int8.unpack_sum(got2, total, out=received)
 
-        handle.after_wait(second_hop)
-        return handle, received
+class _TwoHopWork:
+    """One bucket's two-hop reduction in flight. `advance()` issues the second hop, without
+    blocking, once the first is over; `wait()` finishes both. The reducer advances its buckets
+    in issue order, so every rank issues the second hops in the same order."""
+
+    def __init__(self, plan: TwoHopReduce, first: Any, buffers: tuple, send: torch.Tensor) -> None:
+        self.plan, self.first, self.buffers = plan, first, buffers  # payload kept until sent
+        self.total = send.shape[1]
+        self.received = torch.empty(self.total, dtype=send.dtype, device=send.device)
+        self.second: Any = None
+
+    def advance(self, block: bool = False) -> bool:
+        """Issue the second hop if the first is over (waiting for it with `block`); whether issued."""
+        if self.second is not None:
+            return True
+        if not block and not self.first.is_completed():
+            return False
+        self.first.wait()
+        n, p, total = self.plan.nodes, self.plan.per_node, self.total
+        by_node = self.buffers[1].view(p, n, -1)
+        partial = torch.empty(n, total, dtype=torch.float32, device=by_node.device)
+        for i in range(n):  # node i's partial sum for (i, my position)
+            int8.unpack_sum(by_node[:, i], total, out=partial[i])
+        sums = int8.pack_rows(partial)
+        got = torch.empty_like(sums)
+        self.buffers = (sums, got)
+        self.second = dist.all_to_all_single(
+            got.view(-1), sums.view(-1), group=self.plan.across, async_op=True
+        )
+        return True
+
+    def wait(self) -> None:
+        self.advance(block=True)
+        if self.buffers:
+            self.second.wait()
+            int8.unpack_sum(self.buffers[1], self.total, out=self.received)
+            self.buffers = ()
 
 
 def two_hop_reduce(config: Any, group: Any) -> Optional[TwoHopReduce]:
