@@ -17,11 +17,12 @@ issued asynchronously and backward goes on computing while it runs; its result i
 the gradient shards when it is waited on. At most `MAX_IN_FLIGHT` buckets are in flight (a
 new one first completes the oldest), so the extra memory is one more bucket's buffers, and
 `flush()` waits on everything, in issue order, so shards accumulate in the same order as the
-synchronous path and the results are bitwise equal. qgZ's quantized buckets (quantized.py) go through the
-same queue: quantized at issue, their all-to-all in flight, dequantized and summed when
-waited on. On a group whose collectives complete on
-issue (shared memory, comm/shm.py) there is nothing to overlap: each bucket is packed straight
-into this rank's slot and reduced at once, whatever `overlap_comm` says.
+synchronous path and the results are bitwise equal. qgZ's quantized buckets (quantized.py)
+go through the same queue: quantized at issue, their all-to-all in flight (a two-hop one's
+second hop issued by `_advance` once the first is over), dequantized and summed when waited
+on. On a group whose collectives complete on issue (shared memory, comm/shm.py) there is
+nothing to overlap: each bucket is packed straight into this rank's slot and reduced at
+once, whatever `overlap_comm` says.
 
 [Note: gradient scaling around the reduction]
 Upstream's ``prescale_gradients`` and ``gradient_predivide_factor``: by default (factor 1),
