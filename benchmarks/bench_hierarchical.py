@@ -1,6 +1,6 @@
 """Multi-node ZeRO on a fake 2 x 2: cross-node and within-node bytes per step, and step time (issue 43).
 
-    .venv/bin/python benchmarks/bench_hierarchical.py [--json h.json] [--quick] [--rounds 5]
+    .venv/bin/python benchmarks/bench_hierarchical.py [--json h.json] [--quick] [--rounds 5] [--variants]
 
 Four ranks act as two nodes of two (`DEEPSPEED_RANKS_PER_NODE=2`) and train the decoder of
 bench_train_step.py (fp32, AdamW, its ZeRO-3 sizes, but `stage3_max_reuse_distance: 0`, so the
@@ -18,8 +18,12 @@ For each, after one warm-up step, one training step runs under
 are the bytes the collectives brought to a rank from another node and from its own node
 (docs/hierarchical.md, "Counting the bytes that cross nodes"), summed over the 4 ranks.
 Then `--rounds` rounds time 2 steps of each layout in turn (a barrier before each step,
-the step's time the slowest rank's); `step_s` is the median. The ratios are over plain
-ZeRO-3's. Issue 43's targets: hpZ+qwZ+qgZ cross-node bytes <= 0.25x plain, step time no
+the step's time the slowest rank's); `step_s` is the median, and `cpu_s` each rank's CPU
+seconds per step (`time.process_time`, every thread of the process) summed over the ranks,
+which load from other jobs disturbs less than wall time. The ratios are over plain ZeRO-3's.
+`--variants` adds two engines of hpZ+qwZ+qgZ to the same run, to tell its parts apart:
+`overlap_comm: false` (qgZ's buckets reduced synchronously) and, on top of that, the torch
+quantizer instead of the native one. Issue 43's targets: hpZ+qwZ+qgZ cross-node bytes <= 0.25x plain, step time no
 worse than plain. On one machine the "nodes" share memory and cores: no link is slow, so
 the step-time ratio measures the cost of the extra work (quantizing, the second hop), not
 the saving a real cluster would see.
@@ -58,6 +62,11 @@ LAYOUTS = {  # name -> the zero_optimization keys added to plain ZeRO-3's
         "zero_quantized_gradients": True,
     },
 }
+# --variants: name -> (zero_optimization keys added to plain's, whether the native quantizer runs)
+VARIANTS = {
+    "hpz_qwz_qgz_sync": (dict(LAYOUTS["hpz_qwz_qgz"], overlap_comm=False), True),
+    "hpz_qwz_qgz_sync_torch": (dict(LAYOUTS["hpz_qwz_qgz"], overlap_comm=False), False),
+}
 STEPS_PER_ROUND = 2
 ROUNDS = 5  # the full run: 10 timed steps per layout
 
@@ -93,7 +102,16 @@ def _counted_step(engine, batch) -> dict:
         dist.count_node_traffic(None)
 
 
-def worker(rank: int, world: int, spec: dict, rounds: int) -> dict:
+def _quantizer(native: bool) -> None:
+    """Run the native quantizer, or its torch fallback (a `--variants` engine), from now on."""
+    from deepspeed.ops.quantizer import int8
+
+    if not hasattr(int8, "_native_on_cpu"):
+        int8._native_on_cpu = int8._on_cpu
+    int8._on_cpu = int8._native_on_cpu if native else (lambda tensor: None)
+
+
+def worker(rank: int, world: int, spec: dict, rounds: int, variants: bool = False) -> dict:
     """Every layout's engine, one counted step each, then `rounds` timed rounds in turn."""
     import _train_workers as tw
 
@@ -101,27 +119,35 @@ def worker(rank: int, world: int, spec: dict, rounds: int) -> dict:
     import deepspeed.comm as dist
 
     batches = tw.make_batches(spec, rank)
-    engines = {name: _engine(spec, extra) for name, extra in LAYOUTS.items()}
+    layouts = {name: (extra, True) for name, extra in LAYOUTS.items()}
+    layouts.update(VARIANTS if variants else {})
+    engines = {name: _engine(spec, extra) for name, (extra, _) in layouts.items()}
     tallies = {}
     for name, engine in engines.items():
+        _quantizer(layouts[name][1])
         _step(engine, batches[0])  # warm-up: the optimizer state is made
         tallies[name] = _counted_step(engine, batches[1])
     times: dict = {name: [] for name in engines}
+    cpu: dict = {name: [] for name in engines}
     for r in range(rounds):
         for name, engine in engines.items():
+            _quantizer(layouts[name][1])
             for s in range(STEPS_PER_ROUND):
                 dist.barrier()
-                began = time.perf_counter()
+                began, began_cpu = time.perf_counter(), time.process_time()
                 _step(engine, batches[(r * STEPS_PER_ROUND + s) % len(batches)])
                 times[name].append(time.perf_counter() - began)
+                cpu[name].append(time.process_time() - began_cpu)
+    _quantizer(True)
     slowest = {name: _launch.max_over_ranks(t) for name, t in times.items()}
-    return {"tallies": tallies, "times": slowest, "deepspeed_file": deepspeed.__file__}
+    cpu_s = {name: statistics.mean(c) for name, c in cpu.items()}
+    return {"tallies": tallies, "times": slowest, "cpu_s": cpu_s, "deepspeed_file": deepspeed.__file__}
 
 
 def summarize(per_rank: list, spec: dict) -> dict:
     """Bytes summed over ranks, median step times, and both as ratios over plain ZeRO-3's."""
     rows = {}
-    for name in LAYOUTS:
+    for name in per_rank[0]["times"]:
         by_op: dict = {}
         for result in per_rank:
             for op, row in result["tallies"][name].items():
@@ -135,11 +161,13 @@ def summarize(per_rank: list, spec: dict) -> dict:
             "by_op": by_op,
             "step_s": statistics.median(times),
             "step_times_s": [round(t, 4) for t in times],
+            "cpu_s": sum(result["cpu_s"][name] for result in per_rank),
         }
     plain = rows["plain"]
     for row in rows.values():
         row["cross_ratio"] = row["cross_bytes"] / plain["cross_bytes"] if plain["cross_bytes"] else None
         row["step_ratio"] = row["step_s"] / plain["step_s"]
+        row["cpu_ratio"] = row["cpu_s"] / plain["cpu_s"]
     model = _model_params(spec)
     return {
         "world_size": WORLD,
@@ -160,9 +188,9 @@ def _model_params(spec: dict) -> int:
     return sum(p.numel() for p in tw.build_model(spec).parameters())
 
 
-def measure(spec: dict, rounds: int) -> dict:
+def measure(spec: dict, rounds: int, variants: bool = False) -> dict:
     env = {"DEEPSPEED_RANKS_PER_NODE": str(PER_NODE)}
-    per_rank = _launch.run_ranks(worker, world_size=WORLD, args=(spec, rounds), env=env)
+    per_rank = _launch.run_ranks(worker, world_size=WORLD, args=(spec, rounds, variants), env=env)
     out = summarize(per_rank, spec)
     out["rounds"], out["steps_per_round"] = rounds, STEPS_PER_ROUND
     return out
@@ -173,19 +201,22 @@ NAMES = {
     "mics": "MiCS (mics_shard_size 2)",
     "hpz": "hpZ (zero_hpz_partition_size 2)",
     "hpz_qwz_qgz": "hpZ + qwZ + qgZ",
+    "hpz_qwz_qgz_sync": "hpZ + qwZ + qgZ, overlap_comm false",
+    "hpz_qwz_qgz_sync_torch": "the same, torch quantizer",
 }
 
 
 def format_table(report: dict) -> str:
     spec = report["spec"]
     lines = [
-        "| layout | cross-node bytes | within-node bytes | cross vs plain | step (median) | step vs plain |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| layout | cross-node bytes | within-node bytes | cross vs plain | step (median) | step vs plain "
+        "| CPU per step vs plain |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in report["rows"].items():
         lines.append(
             f"| {NAMES[name]} | {row['cross_bytes']:,} | {row['within_bytes']:,} | {row['cross_ratio']:.3f} "
-            f"| {row['step_s'] * 1e3:.1f} ms | {row['step_ratio']:.3f} |"
+            f"| {row['step_s'] * 1e3:.1f} ms | {row['step_ratio']:.3f} | {row['cpu_ratio']:.3f} |"
         )
     lines += [
         "",
@@ -194,7 +225,7 @@ def format_table(report: dict) -> str:
         f"({report['params']:,} parameters), fp32, AdamW, "
         f"stage3_max_reuse_distance {spec['max_reuse_distance']} (backward gathers again); bytes of one step summed over the ranks; "
         f"step time: median of {report['rounds'] * report['steps_per_round']} steps (slowest rank), the "
-        "layouts in turn. Targets (issue 43): hpZ+qwZ+qgZ cross-node bytes <= 0.25x plain, step time <= 1.0x "
+        "layouts in turn; CPU per step: each rank's mean CPU seconds per step, summed over the ranks. Targets (issue 43): hpZ+qwZ+qgZ cross-node bytes <= 0.25x plain, step time <= 1.0x "
         "plain. One machine has no slow link between its fake nodes: the step-time ratio measures the "
         "extra work (quantizing, the second hop), not the saving.",
     ]
@@ -206,8 +237,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", type=str, default=None)
     parser.add_argument("--quick", action="store_true", help="a tiny decoder, one round (2 timed steps)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds of 2 steps per layout")
+    parser.add_argument(
+        "--variants", action="store_true", help="also hpZ+qwZ+qgZ without overlap, and on torch"
+    )
     args = parser.parse_args(argv)
-    report = measure(QUICK_SPEC if args.quick else SPEC, 1 if args.quick else args.rounds)
+    report = measure(QUICK_SPEC if args.quick else SPEC, 1 if args.quick else args.rounds, args.variants)
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -7,9 +7,11 @@ from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
 from deepspeed.ops.op_builder.builder import OpBuilder
 from deepspeed.ops.op_builder.cpu_adam import CPUAdamBuilder
 from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+from deepspeed.ops.op_builder.quantizer import QuantizerBuilder
 
-__all__ = ["ALL_OPS", "AsyncIOBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "OpBuilder"]
+__all__ = ["ALL_OPS", "AsyncIOBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "OpBuilder", "QuantizerBuilder"]
 
 ALL_OPS: dict[str, OpBuilder] = {
-    builder.NAME: builder for builder in (AsyncIOBuilder(), CPUAdamBuilder(), FusedAdamBuilder())
+    builder.NAME: builder
+    for builder in (AsyncIOBuilder(), CPUAdamBuilder(), FusedAdamBuilder(), QuantizerBuilder())
 }

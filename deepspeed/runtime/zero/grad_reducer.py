@@ -17,9 +17,12 @@ issued asynchronously and backward goes on computing while it runs; its result i
 the gradient shards when it is waited on. At most `MAX_IN_FLIGHT` buckets are in flight (a
 new one first completes the oldest), so the extra memory is one more bucket's buffers, and
 `flush()` waits on everything, in issue order, so shards accumulate in the same order as the
-synchronous path and the results are bitwise equal. On a group whose collectives complete on
-issue (shared memory, comm/shm.py) there is nothing to overlap: each bucket is packed straight
-into this rank's slot and reduced at once, whatever `overlap_comm` says.
+synchronous path and the results are bitwise equal. qgZ's quantized buckets (quantized.py)
+go through the same queue: quantized at issue, their all-to-all in flight (a two-hop one's
+second hop issued by `_advance` once the first is over), dequantized and summed when waited
+on. On a group whose collectives complete on issue (shared memory, comm/shm.py) there is
+nothing to overlap: each bucket is packed straight into this rank's slot and reduced at
+once, whatever `overlap_comm` says.
 
 [Note: gradient scaling around the reduction]
 Upstream's ``prescale_gradients`` and ``gradient_predivide_factor``: by default (factor 1),
@@ -195,17 +198,19 @@ class GradientReducer:
         del items, grad, flat
         before, _ = self.scales(world)
         group = states[0].group
-        if self.quantized:  # qgZ: synchronous, whatever overlap_comm says
-            send = torch.cat(blocks, dim=1)
+        if self.quantized:  # qgZ: quantized into its payload at issue, so `send` is free at once
+            send_base = self._buffer(world * total, dtype, blocks[0].device)
+            send = send_base[: world * total].view(world, total)
+            torch.cat(blocks, dim=1, out=send)
             del blocks
             if before != 1.0:
                 send.mul_(before)
+            self._make_room()
+            self._advance()
+            handle, received = quantized.issue_reduce_scatter(send, group, self.two_hop, self.overlap_comm)
+            self._spare.append(send_base)  # quantized already: the next bucket may pack into it
             self.reduce_calls += 1
-            two_hop = self.two_hop
-            received = (
-                quantized.reduce_scatter(send, group) if two_hop is None else two_hop.reduce_scatter(send)
-            )
-            self._complete(_InFlight(dist.CommHandle(), (), received, states, world))
+            self._track(_InFlight(handle, (), received, states, world))
             return
         if dist.completes_on_issue(group, blocks[0]):
             # Shared memory: the reduction is over when the call returns, so there is nothing
@@ -224,9 +229,7 @@ class GradientReducer:
         if before != 1.0:
             send.mul_(before)
         received = torch.empty(total, dtype=dtype, device=send.device)
-        if self.overlap_comm:
-            while len(self._in_flight) >= MAX_IN_FLIGHT:
-                self._complete(self._in_flight.pop(0))
+        self._make_room()
         # gloo receives every rank's slices before summing them ([Note: reduce-scatter on gloo]);
         # nccl reduces in place and needs no scratch.
         on_gloo = dist.get_backend(group) == "gloo"
@@ -240,7 +243,26 @@ class GradientReducer:
             scratch=scratch,
         )
         self.reduce_calls += 1
-        work = _InFlight(handle, (send_base, scratch) if on_gloo else (send_base,), received, states, world)
+        self._track(
+            _InFlight(handle, (send_base, scratch) if on_gloo else (send_base,), received, states, world)
+        )
+
+    def _make_room(self) -> None:
+        """With overlap_comm, complete the oldest buckets until another may be issued."""
+        if self.overlap_comm:
+            while len(self._in_flight) >= MAX_IN_FLIGHT:
+                self._complete(self._in_flight.pop(0))
+
+    def _advance(self) -> None:
+        """Let buckets in flight take their next step without blocking (qgZ's second hop, once
+        the first is over), oldest first, stopping at the first that cannot."""
+        for work in self._in_flight:
+            advance = getattr(work.handle, "advance", None)
+            if advance is None or not advance():
+                return
+
+    def _track(self, work: _InFlight) -> None:
+        """An issued bucket: in flight with overlap_comm (backward goes on), else completed now."""
         if self.overlap_comm:
             self.async_calls += 1
             self._in_flight.append(work)

@@ -32,7 +32,14 @@ send buffer `[world, total]` (prescaled as usual) has each row, the slice bound 
 quantized block-wise; one `all_to_all_single` delivers to each rank every other rank's
 quantized slice of its shard, which it dequantizes and sums in fp32. Bound: the received sum
 differs from the exact sum by at most `sum_r s_{r,b} / 2` per element, `s_{r,b}` the scale of
-rank r's block. Buckets are reduced synchronously (overlap_comm does not apply to them).
+rank r's block. Under `overlap_comm` a bucket's (first) all-to-all is issued asynchronously
+and backward goes on; it joins grad_reducer's queue of buckets in flight ([Note:
+overlap_comm] there) and is finished, in issue order on every rank, when waited on.
+
+The quantizing itself (`deepspeed.ops.quantizer.int8`) runs a native kernel on CPU tensors:
+one pass quantizes a shard or a send row straight into its payload slice, one dequantizes
+into the gather's destination, one dequantizes and sums the received rows; it equals the
+torch path (which runs on other devices and where the op cannot be built) bit for bit.
 
 Two hops (`TwoHopReduce`), when the parameters' group is the whole world and the node layout
 (`groups.node_layout()`) has `n > 1` nodes of `p > 1` ranks each: first within the node, each
@@ -40,7 +47,9 @@ rank sends its local peer `j` the `n` slices bound for the ranks at position `j`
 node (quantized); peer `j` dequantizes and sums the `p` it receives into `n` partial sums,
 re-quantizes them and sends partial sum `i`, in an all-to-all among the `n` ranks at position
 `j`, to node `i`'s rank. Only the second hop crosses nodes: `(n - 1)` payloads per rank
-instead of `(n - 1) * p`. Bound: the first hop's `sum_r s_r / 2` plus the second hop's
+instead of `(n - 1) * p`. The second hop needs the first's output: it is issued when the
+reducer finds the first over (`_TwoHopWork.advance`, at its next bucket), or when the bucket
+is waited on. Bound: the first hop's `sum_r s_r / 2` plus the second hop's
 `sum_i s'_i / 2`, `s'_i` the scale of node i's partial-sum block.
 
 `zero_quantized_nontrainable_weights` ([Note: frozen weights stored quantized]): parameters
@@ -67,42 +76,20 @@ from typing import Any, Optional
 import torch
 
 from deepspeed import comm as dist
+from deepspeed.ops.quantizer import int8
+
+# The block layout and the torch reference, re-exported: qwZ/qgZ callers and tests name them here.
+from deepspeed.ops.quantizer.int8 import (  # noqa: F401
+    BLOCK,
+    QMAX,
+    blocks_of,
+    dequantize_rows,
+    payload_bytes,
+    quantize_rows,
+)
 from deepspeed.runtime.zero import gather
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
 from deepspeed.utils import groups
-
-BLOCK = 256  # elements per scale
-QMAX = 127
-
-
-def blocks_of(numel: int, block: int = BLOCK) -> int:
-    return -(-numel // block)
-
-
-def payload_bytes(numel: int, block: int = BLOCK) -> int:
-    """Bytes of the int8 payload (codes and fp32 scales) for `numel` elements."""
-    nb = blocks_of(numel, block)
-    return nb * block + 4 * nb
-
-
-def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple:
-    """`x` `[rows, n]` -> `(codes int8 [rows, nb * block], scales fp32 [rows, nb])` (see the note)."""
-    rows, n = x.shape
-    nb = blocks_of(n, block)
-    padded = torch.zeros(rows, nb * block, dtype=torch.float32, device=x.device)
-    padded[:, :n] = x
-    blocks = padded.view(rows, nb, block)
-    scales = blocks.abs().amax(dim=2) / QMAX
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe.unsqueeze(2)).clamp_(-QMAX, QMAX).to(torch.int8)
-    return codes.view(rows, nb * block), scales
-
-
-def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """`(codes [rows, nb * block], scales [rows, nb])` -> fp32 `[rows, n]`."""
-    rows, nb = scales.shape
-    values = codes.reshape(rows, nb, -1).to(torch.float32) * scales.unsqueeze(2)
-    return values.view(rows, -1)[:, :n]
 
 
 def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple:
@@ -113,20 +100,6 @@ def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple:
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
     return dequantize_rows(codes.view(1, -1), scales.view(1, -1), numel).view(-1)
-
-
-def _pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`[rows, nb * block]` codes and `[rows, nb]` scales -> one int8 `[rows, nb * block + 4 * nb]`."""
-    return torch.cat([codes, scales.contiguous().view(torch.int8)], dim=1)
-
-
-def _unpack(payload: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of `_pack`, dequantized: fp32 `[rows, n]`."""
-    rows, width = payload.shape
-    nb = width // (BLOCK + 4)
-    codes = payload[:, : nb * BLOCK]
-    scales = payload[:, nb * BLOCK :].contiguous().view(torch.float32)
-    return dequantize_rows(codes, scales, n)
 
 
 class QuantizedGatherBucket(gather.GatherBucketBase):
@@ -167,9 +140,13 @@ class QuantizedGatherBucket(gather.GatherBucketBase):
 
 def _quantize_shards(states: list, flat_in: torch.Tensor) -> torch.Tensor:
     """This rank's shards of `states` (back to back in `flat_in`) -> one int8 payload, each shard
-    quantized on its own."""
+    quantized on its own, straight into its slice."""
+    widths = [payload_bytes(s.partition_size) for s in states]
+    payload = torch.empty(sum(widths), dtype=torch.int8, device=flat_in.device)
     pieces = flat_in.split([s.partition_size for s in states])
-    return torch.cat([_pack(*quantize_rows(p.view(1, -1))).view(-1) for p in pieces])
+    for piece, dest in zip(pieces, payload.split(widths)):
+        int8.pack_rows(piece.view(1, -1), out=dest.view(1, -1))
+    return payload
 
 
 def _dequantize_into(out: torch.Tensor, states: list, world: int, dests: list) -> None:
@@ -178,7 +155,7 @@ def _dequantize_into(out: torch.Tensor, states: list, world: int, dests: list) -
     offset = 0
     for s, dest in zip(states, dests):
         width = payload_bytes(s.partition_size)
-        dest.copy_(_unpack(rows[:, offset : offset + width], s.partition_size))
+        int8.unpack_rows(rows[:, offset : offset + width], s.partition_size, out=dest)
         offset += width
 
 
@@ -265,11 +242,30 @@ def check_config(config: Any) -> None:
 def reduce_scatter(send: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
     """qgZ: `send` `[world, total]` (row r: the slice for rank r) -> this rank's summed slice
     `[total]` in `send`'s dtype, through int8 all-to-all (see the note)."""
-    world, total = send.shape
-    payload = _pack(*quantize_rows(send))
-    received = torch.empty_like(payload)
-    dist.all_to_all_single(received.view(-1), payload.view(-1), group=group)
-    return _unpack(received, total).sum(dim=0).to(send.dtype)
+    handle, received = issue_reduce_scatter(send, group)
+    handle.wait()
+    return received
+
+
+def issue_reduce_scatter(
+    send: torch.Tensor, group: Any, two_hop: Optional[TwoHopReduce] = None, async_op: bool = False
+) -> tuple:
+    """Start qgZ's reduction of `send` (one hop over `group`, or `two_hop`'s two): returns
+    `(handle, received)`; `received` (`[total]`, `send`'s dtype) holds this rank's summed slice
+    once `handle.wait()` returned. `send` is quantized before this returns (free to reuse)."""
+    if two_hop is not None:
+        return two_hop.issue(send, async_op)
+    total = send.shape[1]
+    payload = int8.pack_rows(send)
+    got = torch.empty_like(payload)
+    received = torch.empty(total, dtype=send.dtype, device=send.device)
+    handle = dist.all_to_all_single(got.view(-1), payload.view(-1), group=group, async_op=async_op)
+
+    def finish(payload=payload) -> None:  # `payload` kept alive until the exchange is over
+        int8.unpack_sum(got, total, out=received)
+
+    handle.after_wait(finish)
+    return handle, received
 
 
 class TwoHopReduce:
@@ -281,17 +277,62 @@ class TwoHopReduce:
         self.across = across  # the ranks at this rank's position, group rank = node index
 
     def reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
+        handle, received = self.issue(send)
+        handle.wait()
+        return received
+
+    def issue(self, send: torch.Tensor, async_op: bool = False) -> tuple:
+        """`(work, received)`: the first hop issued now (asynchronously with `async_op`); the
+        second when the first is over, see `_TwoHopWork`."""
         n, p = self.nodes, self.per_node
-        total = send.shape[1]
-        by_position = send.view(n, p, total).transpose(0, 1).reshape(p * n, total)
-        payload = _pack(*quantize_rows(by_position))
-        received = torch.empty_like(payload)
-        dist.all_to_all_single(received.view(-1), payload.view(-1), group=self.within)
-        partial = _unpack(received, total).view(p, n, total).sum(dim=0)  # [node i] for (i, my position)
-        payload = _pack(*quantize_rows(partial))
-        received = torch.empty_like(payload)
-        dist.all_to_all_single(received.view(-1), payload.view(-1), group=self.across)
-        return _unpack(received, total).sum(dim=0).to(send.dtype)
+        # Rows quantize independently: quantizing in rank order and reordering the int8 rows by
+        # position is the same payload as reordering the floats first, at a quarter the bytes.
+        payload = int8.pack_rows(send).view(n, p, -1).transpose(0, 1).reshape(p * n, -1)
+        got = torch.empty_like(payload)
+        first = dist.all_to_all_single(got.view(-1), payload.view(-1), group=self.within, async_op=async_op)
+        work = _TwoHopWork(self, first, (payload, got), send)
+        if not async_op:
+            work.wait()
+        return work, work.received
+
+
+class _TwoHopWork:
+    """One bucket's two-hop reduction in flight. `advance()` issues the second hop, without
+    blocking, once the first is over; `wait()` finishes both. The reducer advances its buckets
+    in issue order, so every rank issues the second hops in the same order."""
+
+    def __init__(self, plan: TwoHopReduce, first: Any, buffers: tuple, send: torch.Tensor) -> None:
+        self.plan, self.first, self.buffers = plan, first, buffers  # payload kept until sent
+        self.total = send.shape[1]
+        self.received = torch.empty(self.total, dtype=send.dtype, device=send.device)
+        self.second: Any = None
+
+    def advance(self, block: bool = False) -> bool:
+        """Issue the second hop if the first is over (waiting for it with `block`); whether issued."""
+        if self.second is not None:
+            return True
+        if not block and not self.first.is_completed():
+            return False
+        self.first.wait()
+        n, p, total = self.plan.nodes, self.plan.per_node, self.total
+        by_node = self.buffers[1].view(p, n, -1)
+        partial = torch.empty(n, total, dtype=torch.float32, device=by_node.device)
+        for i in range(n):  # node i's partial sum for (i, my position)
+            int8.unpack_sum(by_node[:, i], total, out=partial[i])
+        sums = int8.pack_rows(partial)
+        got = torch.empty_like(sums)
+        self.buffers = (sums, got)
+        self.second = dist.all_to_all_single(
+            got.view(-1), sums.view(-1), group=self.plan.across, async_op=True
+        )
+        return True
+
+    def wait(self) -> None:
+        self.advance(block=True)
+        if self.buffers:
+            self.second.wait()
+            int8.unpack_sum(self.buffers[1], self.total, out=self.received)
+            self.buffers = ()
 
 
 def two_hop_reduce(config: Any, group: Any) -> Optional[TwoHopReduce]:
