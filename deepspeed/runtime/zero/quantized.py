@@ -208,10 +208,10 @@ class QuantizedShard:
 
     def store(self, values: torch.Tensor) -> None:
         """Quantize `values` (`[numel]`) into the payload."""
-        self.payload = _pack(*quantize_rows(values.reshape(1, -1))).view(-1)
+        self.payload = int8.pack_rows(values.reshape(1, -1)).view(-1)
 
     def dequantized(self) -> torch.Tensor:
-        return _unpack(self.payload.view(1, -1), self.numel).reshape(-1).to(self.dtype)
+        return int8.unpack_rows(self.payload.view(1, -1), self.numel).reshape(-1).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
