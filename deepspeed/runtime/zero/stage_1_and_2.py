@@ -80,6 +80,10 @@ class ReplicatedShard:
     def shard_dtype(self) -> torch.dtype:
         return self.shard.dtype
 
+    def assign_shard(self, values: torch.Tensor) -> None:
+        """Set the whole shard (`[partition_size]`) in place (stage 3's writer interface)."""
+        self.shard.copy_(values)
+
     def own_slice_bounds(self) -> tuple:
         """`[start, end)` of this rank's real (non-padding) elements in the flat parameter."""
         start = self.rank * self.partition_size
