@@ -218,8 +218,11 @@ def fp32_storages() -> dict:
     found = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.dtype == torch.float32 and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            found[storage.data_ptr()] = storage.nbytes()
+            try:
+                storage = obj.untyped_storage()
+                found[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:
+                continue  # a fake tensor some earlier test's compile left alive: it holds no memory
     return found
 
 
