@@ -290,7 +290,7 @@ class TestNvmeSetupFailures(DistributedTest):
         if dist.get_rank() == 1:
             assert "injected" in str(err.value)
         else:
-            assert "failed on 1 other rank(s)" in str(err.value)
+            assert "failed in this step on 1 other rank(s)" in str(err.value)
         assert engine.optimizer.swapper.pool.free == len(engine.optimizer.swapper.pool._buffers)
 
     def test_config_errors(self, tmp_path):
