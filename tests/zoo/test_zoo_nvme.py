@@ -9,8 +9,8 @@ elements (partitions are written out and read back within a step), a tiny prefet
 (reads issued ahead along the trace), 3 pool buffers, and `sub_group_size` about a third of a
 rank's elements (the optimizer steps several sub-groups through its files, pipelined).
 
-One 2-rank group runs GPT-2 (accumulation 2), a clipped token MLP and the frozen-parameter
-MLP in the default run, the rest of the zoo behind the `slow` marker (which `make test` runs).
+One 2-rank group runs GPT-2 (accumulation 2) and a clipped token MLP in the default run, the
+rest of the zoo (frozen parameters included) behind the `slow` marker (which `make test` runs).
 """
 
 import dataclasses
@@ -93,19 +93,19 @@ def check_nvme_parity(case: Case, folder) -> None:
 
 
 def default_cases() -> list:
-    return [gpt2_case(), token_mlp("clip_accum", clip=0.05, gas=2), frozen_cases()[0]]
+    return [gpt2_case(), token_mlp("clip_accum", clip=0.05, gas=2)]
 
 
 class TestZooNvme(DistributedTest):
     world_size = WORLD
     timeout_s = 300.0
 
-    def test_gpt2_clipping_frozen(self, tmp_path):
+    def test_gpt2_and_clipping(self, tmp_path):
         for case in default_cases():
             check_nvme_parity(case, tmp_path)
 
     @pytest.mark.slow
     def test_the_rest_of_the_zoo(self, tmp_path):
-        rest = slow_cases() + frozen_cases()[1:]
+        rest = slow_cases() + frozen_cases()
         for case in rest:
             check_nvme_parity(case, tmp_path)
