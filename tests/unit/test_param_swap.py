@@ -10,6 +10,7 @@ several times a step, and reads are issued ahead along the trace.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections import namedtuple
@@ -183,6 +184,48 @@ def _init_remote_nvme(tmp: Path) -> None:
     assert all(torch.equal(want[n], t) for n, t in gathered(swapped).items())
 
 
+def _write_failure(tmp: Path) -> None:
+    """A partition's write failing mid-step on rank 1 only (when issued, or when waited for):
+    every rank raises at the step (rank 1 its own error), none hangs, and no value is lost:
+    the parameters equal a CPU-offload run's after the same step."""
+    import errno
+
+    rank = dist.get_rank()
+
+    def broken(swapper, waiting):
+        def fail(*args, **kwargs):
+            if waiting:  # the writes land, then their files are spoilt (NaN) as a failed write leaves them
+                type(swapper.store).wait_writes(swapper.store)
+                for ds_id in swapper.writing:
+                    path = swapper.store.path(f"param_{ds_id}")
+                    with open(path, "r+b") as f:
+                        f.write(b"\xff" * os.path.getsize(path))
+            raise OSError(errno.EIO, "Input/output error (injected)")
+
+        return fail
+
+    for where in ("write", "wait_writes"):
+        case = dataclasses.replace(_case("nvme", _swapping(tmp)), between=None)
+        plain = dataclasses.replace(_case("cpu", {"device": "cpu"}), between=None)
+        data = case.micro_batches(2)[:1]
+        want = gathered(run_engine(plain, data).model)
+        engine = initialize(case, build(case, zero=True))
+        swapper = _swapper(engine)
+        if rank == 1:
+            setattr(swapper.store, where, broken(swapper, where == "wait_writes"))
+        with pytest.raises((OSError, RuntimeError)) as err:
+            run_engine(case, data, engine=engine)
+        if rank == 1:
+            assert "injected" in str(err.value), (where, err.value)
+            assert swapper.io_error is None  # taken by the step's agreement
+            delattr(swapper.store, where)  # the instance attribute hid the method
+        else:
+            assert "failed in this step on 1 other rank(s)" in str(err.value), (where, err.value)
+        got = gathered(engine.module)
+        assert all(torch.equal(want[n], got[n]) for n in want), where
+        engine.destroy()
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -201,6 +244,7 @@ class TestParamSwapTwoRanks(DistributedTest):
         _checkpoints(tmp)
         _init_remote_nvme(tmp)
         _failures(tmp)
+        _write_failure(tmp)
 
     def test_zoo_llama_against_pytorch(self, tmp_path):
         """A zoo model at stage 3 with parameters swapped to NVMe trains as plain PyTorch does."""

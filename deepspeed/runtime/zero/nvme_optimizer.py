@@ -50,7 +50,7 @@ from torch import nn
 from deepspeed import comm as dist
 from deepspeed.runtime.swap_tensor.swap_store import AioSettings, PinnedBufferPool, SwapStore, io_size
 
-__all__ = ["OptimizerSwapper", "minimum_buffer_count", "state_kinds"]
+__all__ = ["OptimizerSwapper", "agree_on_step", "minimum_buffer_count", "state_kinds"]
 
 _MASTER = "fp32_master"  # the masters' kind, next to the optimizer's state keys
 _PROBE_NUMEL = 13  # an odd size no scalar or factored state has
@@ -266,8 +266,11 @@ class OptimizerSwapper:
             self.store.write(group.key(kind), buffer[: io_size(group.nbytes[kind])], async_op=async_op)
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self, step_group: Callable[[list], None]) -> None:
-        """Run `step_group(masters)` on each sub-group with its tensors in memory (see the note)."""
+    def step(self, step_group: Callable[[list], None]) -> Optional[Exception]:
+        """Run `step_group(masters)` on each sub-group with its tensors in memory (see the note).
+
+        Returns the step's error instead of raising it: the caller raises it on every rank
+        through `agree_on_step`, together with the parameter swappers' errors."""
         error: Optional[Exception] = None
         try:
             if self.groups:
@@ -281,7 +284,7 @@ class OptimizerSwapper:
                     wait()
             for group in self.groups:
                 self._give_back(group)
-        _agree_on_step(error)
+        return error
 
     def _step_groups(self, step_group: Callable[[list], None]) -> None:
         groups = self.groups
@@ -348,10 +351,12 @@ def step_only(optimizer: torch.optim.Optimizer, masters: list) -> None:
             group["params"] = params
 
 
-def _agree_on_step(error: Optional[Exception]) -> None:
+def agree_on_step(error: Optional[Exception]) -> None:
     """One small all-reduce per step: an I/O error on one rank (EIO, a volume that could not
     honour its reservation) raises on every rank, instead of leaving the others waiting in the
-    step's next collective."""
+    step's next collective. `error`: this rank's, from the optimizer's swapper or a parameter
+    swapper's kept write error (param_swap.py's [Note: a failed write]); every rank calls it
+    once per step whenever anything swaps to NVMe."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         from deepspeed.accelerator import get_accelerator
 
@@ -364,7 +369,7 @@ def _agree_on_step(error: Optional[Exception]) -> None:
         raise error
     if failed:
         raise RuntimeError(
-            f"the NVMe optimizer step failed on {failed} other rank(s) (their error says why); this rank's "
+            f"NVMe swapping failed in this step on {failed} other rank(s) (their error says why); this rank's "
             "own step finished, but the ranks' parameters may now differ: load the last checkpoint"
         )
 

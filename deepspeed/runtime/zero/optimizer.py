@@ -50,6 +50,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+from deepspeed.runtime.zero import param_swap
 from deepspeed.runtime.zero.lifecycle import ZeroParamState
 from deepspeed.runtime.zero.parameter import is_zero_param
 from deepspeed.runtime.zero.utils import ZeROOffloadOptimizerError
@@ -265,6 +266,13 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         self.optimizer = self._wrap_optimizer(client_optimizer, groups)
         if swap is not None:
             self.swapper = self._build_swapper(swap)
+        # Stage 3 partitions swapped to NVMe (every parameter's, frozen ones too): their write
+        # errors join the step's agreement (param_swap.py's [Note: a failed write]).
+        self.param_swappers = param_swap.swappers_of(
+            [p._zero_state for p in module.parameters() if is_zero_param(p)]
+            if parameter_offload is not None
+            else []
+        )
         self.loss_scaler = CreateLossScaler(
             torch.float16 if config.fp16_enabled else torch.float32,
             config.loss_scale,
@@ -620,16 +628,27 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             factor *= self.clip / (norm + 1e-6)
         if factor != 1.0:
             torch._foreach_mul_(self._grads(), factor)
+        error = None
         if self.swapper is None:
             self.refresh_edited_masters()
             self.optimizer.step()
             self._write_back_masters()
         else:
-            self.swapper.step(self._step_sub_group)
+            error = self.swapper.step(self._step_sub_group)
+        self._agree_on_swapping(error)
         if self.after_step is not None:
             self.after_step()
         self.loss_scaler.update_scale(False)
         return True
+
+    def _agree_on_swapping(self, error: Optional[Exception]) -> None:
+        """Anything on NVMe: raise this step's swap errors on every rank (nvme_optimizer.agree_on_step)."""
+        from deepspeed.runtime.zero.nvme_optimizer import agree_on_step
+
+        if self.swapper is None and not self.param_swappers:
+            return  # the same on every rank: the same model and config
+        param_errors = [e for e in (s.take_io_error() for s in self.param_swappers) if e is not None]
+        agree_on_step(error or next(iter(param_errors), None))
 
     def _step_sub_group(self, masters: list) -> None:
         """NVMe: one sub-group's step, its masters and state read in (nvme_optimizer.py)."""

@@ -26,6 +26,16 @@ per file is in flight, and a read of a file waits for its write.
 Files are scratch (swap_store.py): set-up reserves each partition's file, so a full disk is
 a `SwapSpaceError` naming the path and the bytes while the model is built, and
 `check_setup` makes every rank raise it (the others naming the failing rank), never a hang.
+
+[Note: a failed write]
+Writing an evicted partition can fail mid-step (EIO). Raising there would raise on this rank
+only, inside a forward or backward whose next collective the other ranks already wait in.
+So the error is kept (`io_error`) and the partition stays in memory: a write that could not
+be issued leaves it resident, one that failed when waited for is copied back from its staging
+buffer, and after the first failure nothing more is evicted. The ZeRO optimizer's step hands
+the error (`take_io_error`) to its one flag all-reduce per step (nvme_optimizer's
+`agree_on_step`, shared with the optimizer's swapper), which raises it on this rank and an
+error naming the count on the others. No value was lost, so the step itself ran everywhere.
 """
 
 from __future__ import annotations
@@ -90,6 +100,9 @@ class ParamSwapper:
             aio,
         )
         self.failure: Optional[OSError] = None  # a set-up error, raised on every rank by check_setup
+        # A write that failed after set-up (EIO mid-step): kept until the step's agreement
+        # (`take_io_error`) raises it on every rank ([Note: a failed write]).
+        self.io_error: Optional[OSError] = None
         self.store: Optional[SwapStore] = None
         try:
             self.store = SwapStore(nvme_path, "params", aio)
@@ -99,7 +112,7 @@ class ParamSwapper:
         self.resident: collections.OrderedDict = collections.OrderedDict()  # ds_id -> state, LRU first
         self.resident_elems = 0
         self.reading: dict = {}  # ds_id -> (state, buffer index): reads in flight
-        self.writing: dict = {}  # ds_id -> buffer index: writes in flight
+        self.writing: dict = {}  # ds_id -> (state, buffer index): writes in flight
         self.stats = (
             collections.Counter()
         )  # reads, writes, read_ahead, bytes_read/_written, peak_resident_elems
@@ -194,7 +207,7 @@ class ParamSwapper:
     def _enforce_cap(self, keep: SwappedParamState) -> None:
         if self.failure is not None:
             return  # set-up failed: nothing can be written; check_setup will raise
-        while self.resident_elems > self.max_in_cpu:
+        while self.resident_elems > self.max_in_cpu and self.io_error is None:
             victim = next((s for s in self.resident.values() if s is not keep), None)
             if victim is None:
                 return
@@ -202,8 +215,8 @@ class ParamSwapper:
 
     def _evict(self, state: SwappedParamState) -> None:
         tensor = state.resident
-        if state.clean_version != tensor._version:
-            self._write(state, tensor)
+        if state.clean_version != tensor._version and not self._write(state, tensor):
+            return  # its file does not hold it: it stays resident ([Note: a failed write])
         self.resident.pop(state.ds_id)
         self.resident_elems -= state.partition_size
         state.resident = None
@@ -234,6 +247,8 @@ class ParamSwapper:
         key = _key(state)
         if state.ds_id in self.writing:
             self.finish_writes()  # the file must hold the last write before it is read
+            if state.resident is not None:
+                return  # the write failed: taken back from its buffer ([Note: a failed write])
         index, buf = self._acquire(state)
         try:
             self.store.read(key, buf[: self.store.capacity(key)])
@@ -249,26 +264,51 @@ class ParamSwapper:
         self.stats["reads"] += 1
         self.stats["bytes_read"] += tensor.numel() * tensor.element_size()
 
-    def _write(self, state: SwappedParamState, tensor: torch.Tensor) -> None:
+    def _write(self, state: SwappedParamState, tensor: torch.Tensor) -> bool:
+        """Issue `state`'s write; False (the error kept in `io_error`) when it could not be issued."""
         key = _key(state)
         if state.ds_id in self.writing:
             self.finish_writes()  # one write per file in flight: their order is not guaranteed
         index, buf = self._acquire(state)
         PinnedBufferPool.as_tensor(buf, state.partition_size, state.swap_dtype).copy_(tensor)
-        self.store.write(key, buf[: self.store.capacity(key)], async_op=True)
-        self.writing[state.ds_id] = index
+        try:
+            self.store.write(key, buf[: self.store.capacity(key)], async_op=True)
+        except OSError as e:
+            self.pool.release(index)
+            self.io_error = self.io_error or e
+            return False
+        self.writing[state.ds_id] = (state, index)
         self.stats["writes"] += 1
         self.stats["bytes_written"] += tensor.numel() * tensor.element_size()
+        return True
 
     def finish_writes(self) -> None:
         if not self.writing:
             return
         try:
             self.store.wait_writes()
+        except OSError as e:
+            # [Note: a failed write] The files may not hold these partitions: take each back
+            # into memory from its staging buffer, unwritten, so no value is lost.
+            for state, index in self.writing.values():
+                if state.resident is None:
+                    self._restore(state, self.pool.buffer(index))
+            self.io_error = self.io_error or e
         finally:
-            for index in self.writing.values():
+            for _, index in self.writing.values():
                 self.pool.release(index)
             self.writing.clear()
+
+    def _restore(self, state: SwappedParamState, buf: torch.Tensor) -> None:
+        tensor = torch.empty(state.partition_size, dtype=state.swap_dtype)
+        tensor.copy_(PinnedBufferPool.as_tensor(buf, state.partition_size, state.swap_dtype))
+        state.resident, state.clean_version = tensor, None
+        self._add_resident(state)
+
+    def take_io_error(self) -> Optional[OSError]:
+        """The write error kept since the last call (None if none), cleared: swapping goes on."""
+        error, self.io_error = self.io_error, None
+        return error
 
     def finish_reads(self) -> None:
         if not self.reading:
