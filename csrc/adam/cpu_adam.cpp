@@ -27,6 +27,7 @@
 #include <omp.h>
 #endif
 
+#include "../common/isa_registry.h"
 #include "adam_span.h"
 
 namespace {
@@ -53,42 +54,20 @@ bool cpu_supports(const std::string& isa) {
   return isa == "scalar" || (isa == "neon" && ds_adam::neon_kernels().adam != nullptr);
 }
 
-// Best first; a path is available when it was compiled for this architecture and the CPU has it.
-std::vector<Kernels> available_kernels() {
-  std::vector<Kernels> out;
-  for (const Kernels& k : {ds_adam::avx512_kernels(), ds_adam::avx2_kernels(), ds_adam::neon_kernels(),
-                           ds_adam::scalar_kernels()}) {
-    if (k.adam != nullptr && cpu_supports(k.name)) out.push_back(k);
-  }
-  return out;
+bool usable(const Kernels& k) { return k.adam != nullptr && cpu_supports(k.name); }
+
+// The builds this CPU runs, best first, and the active one (DS_CPU_ADAM_ISA if set, else the best).
+ds_isa::Registry<Kernels>& kernels() {
+  static ds_isa::Registry<Kernels> registry(
+      "cpu_adam",
+      {ds_adam::avx512_kernels(), ds_adam::avx2_kernels(), ds_adam::neon_kernels(), ds_adam::scalar_kernels()},
+      usable, "DS_CPU_ADAM_ISA");
+  return registry;
 }
 
-std::vector<std::string> available_isas() {
-  std::vector<std::string> names;
-  for (const Kernels& k : available_kernels()) names.emplace_back(k.name);
-  return names;
-}
+const Kernels* active() { return &kernels().active(); }
 
-const Kernels& find_kernels(const std::string& name) {
-  static const std::vector<Kernels> kernels = available_kernels();
-  for (const Kernels& k : kernels) {
-    if (name == k.name) return k;
-  }
-  std::string names;
-  for (const Kernels& k : kernels) names += std::string(names.empty() ? "" : ", ") + k.name;
-  TORCH_CHECK(false, "cpu_adam: instruction set '", name, "' is not available on this CPU; choose one of: ",
-              names);
-  return kernels.front();  // not reached
-}
-
-// The active kernels: DS_CPU_ADAM_ISA if set, else the best available.
-const Kernels*& active() {
-  static const Kernels* current = [] {
-    const char* env = std::getenv("DS_CPU_ADAM_ISA");
-    return &find_kernels(env != nullptr && *env != '\0' ? std::string(env) : available_kernels().front().name);
-  }();
-  return current;
-}
+std::vector<std::string> available_isas() { return kernels().names(); }
 
 std::string isa() { return active()->name; }
 
@@ -123,11 +102,7 @@ int64_t set_prefetch(int64_t elements) {
 }
 
 // Selects a kernel by name; returns the previous one's name.
-std::string set_isa(const std::string& name) {
-  const std::string previous = active()->name;
-  active() = &find_kernels(name);
-  return previous;
-}
+std::string set_isa(const std::string& name) { return kernels().set(name); }
 
 ds_adam::Scalars make_scalars(int64_t step, double lr, double beta1, double beta2, double eps,
                               double weight_decay, bool bias_correction, bool adamw_mode) {

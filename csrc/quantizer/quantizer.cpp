@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/isa_registry.h"
 #include "quant_kernels.h"
 
 namespace {
@@ -46,48 +47,24 @@ bool cpu_supports(const std::string& isa) {
   return isa == "scalar" || (isa == "neon" && ds_quant::neon_kernels().quantize != nullptr);
 }
 
-std::vector<Kernels> available_kernels() {
-  std::vector<Kernels> out;
-  for (const Kernels& k : {ds_quant::avx512_kernels(), ds_quant::avx2_kernels(), ds_quant::neon_kernels(),
-                           ds_quant::scalar_kernels()}) {
-    if (k.quantize != nullptr && cpu_supports(k.name)) out.push_back(k);
-  }
-  return out;
+bool usable(const Kernels& k) { return k.quantize != nullptr && cpu_supports(k.name); }
+
+// The builds this CPU runs, best first, and the active one (DS_QUANTIZER_ISA if set, else the best).
+ds_isa::Registry<Kernels>& kernels() {
+  static ds_isa::Registry<Kernels> registry(
+      "quantizer",
+      {ds_quant::avx512_kernels(), ds_quant::avx2_kernels(), ds_quant::neon_kernels(), ds_quant::scalar_kernels()},
+      usable, "DS_QUANTIZER_ISA");
+  return registry;
 }
 
-std::vector<std::string> available_isas() {
-  std::vector<std::string> names;
-  for (const Kernels& k : available_kernels()) names.emplace_back(k.name);
-  return names;
-}
+const Kernels* active() { return &kernels().active(); }
 
-const Kernels& find_kernels(const std::string& name) {
-  static const std::vector<Kernels> kernels = available_kernels();
-  for (const Kernels& k : kernels) {
-    if (name == k.name) return k;
-  }
-  std::string names;
-  for (const Kernels& k : kernels) names += std::string(names.empty() ? "" : ", ") + k.name;
-  TORCH_CHECK(false, "quantizer: instruction set '", name, "' is not available on this CPU; choose one of: ",
-              names);
-  return kernels.front();  // not reached
-}
-
-const Kernels*& active() {
-  static const Kernels* current = [] {
-    const char* env = std::getenv("DS_QUANTIZER_ISA");
-    return &find_kernels(env != nullptr && *env != '\0' ? std::string(env) : available_kernels().front().name);
-  }();
-  return current;
-}
+std::vector<std::string> available_isas() { return kernels().names(); }
 
 std::string isa() { return active()->name; }
 
-std::string set_isa(const std::string& name) {
-  const std::string previous = active()->name;
-  active() = &find_kernels(name);
-  return previous;
-}
+std::string set_isa(const std::string& name) { return kernels().set(name); }
 
 // A 2D CPU tensor of `dtype` whose rows are contiguous (any row stride).
 void check_rows(const at::Tensor& t, at::ScalarType dtype, const char* what) {

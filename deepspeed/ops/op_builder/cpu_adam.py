@@ -28,4 +28,4 @@ class CPUAdamBuilder(OpBuilder):
         ]
 
     def headers(self) -> list[str]:
-        return ["adam/adam_span.h", "adam/adam_kernel.h"]
+        return ["adam/adam_span.h", "adam/adam_kernel.h", "common/isa_registry.h"]

@@ -27,4 +27,4 @@ class QuantizerBuilder(OpBuilder):
         ]
 
     def headers(self) -> list[str]:
-        return ["quantizer/quant_kernels.h", "quantizer/quant_kernel.h"]
+        return ["quantizer/quant_kernels.h", "quantizer/quant_kernel.h", "common/isa_registry.h"]
