@@ -78,6 +78,26 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def interleaved_medians(bodies: dict, names: list, warmup: int, reps: int) -> dict:
+    """{name: median over `reps` of the slowest rank's time of `bodies[name]()`} (collective).
+
+    Interleaved, in a fresh order each repetition (the same on every rank: the seed is the
+    repetition), so that neither drift, nor "who runs right after the barrier", nor "who runs
+    right after FSDP2 freed its memory" favours one variant. A plain rotation keeps each
+    variant's predecessor fixed.
+    """
+    for _ in range(warmup):
+        for name in names:
+            bodies[name]()
+    local = []
+    for rep in range(reps):
+        order = random.Random(rep).sample(names, len(names))
+        times = {name: _timed(bodies[name]) for name in order}
+        local.extend(times[name] for name in names)
+    worst = _launch.max_over_ranks(local)  # per repetition and variant: the slowest rank
+    return {name: statistics.median(worst[i :: len(names)]) for i, name in enumerate(names)}
+
+
 def _fsdp2_bank(shapes: list, world_size: int):
     """The same shapes as one FSDP2 module (`fully_shard` on a CPU mesh); None without FSDP2."""
     try:
@@ -148,21 +168,8 @@ def measure_one(count: int, cfg: dict, world_size: int) -> dict:
     _check_gather(params, shapes)
     bodies = _variants(params, shapes, world_size)
     names = [name for name in VARIANTS if bodies[name] is not None]
-    for _ in range(cfg["warmup"]):
-        for name in names:
-            bodies[name]()
-    local = []
-    for rep in range(cfg["reps"]):
-        # Interleaved, in a fresh order each repetition (the same on every rank: the seed is
-        # the repetition), so that neither drift, nor "who runs right after the barrier", nor
-        # "who runs right after FSDP2 freed its memory" favours one variant. A plain rotation
-        # keeps each variant's predecessor fixed.
-        order = random.Random(rep).sample(names, len(names))
-        times = {name: _timed(bodies[name]) for name in order}
-        local.extend(times[name] for name in names)
-    worst = _launch.max_over_ranks(local)  # per repetition and variant: the slowest rank
     medians = dict.fromkeys(VARIANTS)
-    medians.update({name: statistics.median(worst[i :: len(names)]) for i, name in enumerate(names)})
+    medians.update(interleaved_medians(bodies, names, cfg["warmup"], cfg["reps"]))
     numel = sum(p.ds_numel for p in params)
     ours = medians["start_stop"]
     return {

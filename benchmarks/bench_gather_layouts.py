@@ -29,8 +29,6 @@ A repetition's time is the slowest rank's; the table gives the median over repet
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -44,7 +42,7 @@ from deepspeed.comm import shm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _launch  # noqa: E402 - the benchmarks folder is not a package
-from bench_gather import ParamBank, _timed, param_shapes  # noqa: E402
+from bench_gather import ParamBank, interleaved_medians, param_shapes  # noqa: E402
 
 VARIANTS = (
     "raw",
@@ -105,16 +103,7 @@ def measure_one(count: int, cfg: dict, world: int) -> dict:
     with deepspeed.zero.Init():
         model = ParamBank(param_shapes(count, cfg["total_elems"]))
     bodies = _bodies(list(model.parameters()), world)
-    for _ in range(cfg["warmup"]):
-        for name in VARIANTS:
-            bodies[name]()
-    local = []
-    for rep in range(cfg["reps"]):
-        order = random.Random(rep).sample(VARIANTS, len(VARIANTS))
-        times = {name: _timed(bodies[name]) for name in order}
-        local.extend(times[name] for name in VARIANTS)
-    worst = _launch.max_over_ranks(local)
-    return {name: statistics.median(worst[i :: len(VARIANTS)]) for i, name in enumerate(VARIANTS)}
+    return interleaved_medians(bodies, list(VARIANTS), cfg["warmup"], cfg["reps"])
 
 
 def rank_worker(rank: int, world: int, cfg: dict) -> dict:
