@@ -475,6 +475,11 @@ def markdown(report: dict) -> str:
             "Optimizer offload to NVMe vs CPU (decoder fp32, ZeRO-2, 2 ranks, same rounds)",
             nvme_optimizer_text,
         ),
+        (
+            "capacity",
+            "Capacity: the largest decoder trained under a memory cap (ZeRO-3, fp32, 1 rank)",
+            capacity_text,
+        ),
     )
     for key, title, fn in sections:
         if key == "scaling" and "offload" in title and not (report.get("scaling") or {}).get("offload"):
@@ -497,6 +502,30 @@ def nvme_optimizer_text(n: dict) -> str:
         f"{n.get('sub_group_size')}, pipeline_read and pipeline_write on, swap files under "
         f"{n.get('swap_folder')}; load average {load.get('before')} -> {load.get('after')})"
     )
+
+
+def capacity_text(c: dict) -> str:
+    """bench_capacity's probes, the largest fit per mode, and the NVMe state over the cap."""
+    import bench_capacity
+
+    lines = [bench_capacity.summarize(c), ""]
+    for mode in ("cpu", "nvme"):
+        best = c.get(f"largest_{mode}")
+        if f"largest_{mode}" in c:
+            lines.append(
+                f"- largest {mode}: " + ("none fit" if best is None else f"{best['params']:,} parameters")
+            )
+    if c.get("nvme_state_bytes_formula"):
+        lines.append(
+            f"- nvme: 16 B/param = {c['nvme_state_bytes_formula'] / 1e9:.2f} GB of fp32 state, "
+            f"{c['nvme_state_over_cap']:.2f}x the cap; {c['nvme_disk_bytes'] / 1e9:.2f} GB on disk; "
+            f"losses equal to the reference run's: {c.get('losses_equal')}"
+        )
+    machine = c.get("machine") or {}
+    lines.append(
+        f"- cap: {c.get('cap_bytes')} bytes by {c.get('cap_method')}; load {machine.get('load_start')} -> {machine.get('load_end')}"
+    )
+    return "\n".join(lines)
 
 
 def write_all(report: dict, out_dir: Path) -> None:

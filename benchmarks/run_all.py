@@ -35,6 +35,10 @@ Sections (each reuses the functions of the script named, nothing is re-implement
   nvme_optimizer  bench_train_step.py's decoder (fp32, 2 ranks, ZeRO-2): offload_optimizer nvme
               (swap files in a temporary folder, pipelines on) against offload_optimizer cpu, in
               the same rounds; headline: the step-time ratio nvme / cpu
+  capacity    bench_capacity.py (NOT in the default list: ~25 min, ask with --only capacity):
+              the largest decoder (width 2048, fp32, ZeRO-3, AdamW, 1 rank) that trains 2 steps
+              in an 8 GiB cgroup, offload_param + offload_optimizer nvme and cpu; headline:
+              its parameters, and its 16 B/param of fp32 state over the cap
 
 Writes `<out-dir>/latest.json`, `latest.md` (the headline tables, also printed) and
 `latest.png` (when matplotlib is installed). `--skip-upstream` reports upstream as null.
@@ -59,6 +63,7 @@ import _launch  # noqa: E402 - the benchmarks folder is not a package
 import _report  # noqa: E402
 import bench_agreement  # noqa: E402
 import bench_aio  # noqa: E402
+import bench_capacity  # noqa: E402
 import bench_cpu_adam  # noqa: E402
 import bench_gather  # noqa: E402
 import bench_gpt2_small  # noqa: E402
@@ -143,6 +148,21 @@ def run_nvme_optimizer(opts, log_dir: Path) -> dict:
     keys = ("ours_stage2_offload_s", "ours_stage2_nvme_s", "nvme_ratio_vs_cpu_offload")
     out = {key: entry[key] for key in keys}
     out.update(sub_group_size=bench_train_step.NVME_SUB_GROUP, swap_folder=str(log_dir), case=entry)
+    out["wall_s"] = round(time.monotonic() - began, 1)
+    return out
+
+
+def run_capacity(opts, log_dir: Path) -> dict:
+    """bench_capacity.py: the largest decoder trained under the memory cap (--quick: width 256,
+    2 layers, a 1.5 GiB cap, one probe per mode), swap files in this run's temporary folder."""
+    began = _section("capacity: the largest decoder trained under a memory cap, cpu vs nvme offload")
+    if opts.quick:
+        argv = ["--cap-gib", "1.5", "--width", "256", "--start-layers", "cpu=2,nvme=2", "--max-probes", "1"]
+        argv += ["--reference-gib", "3", "--steps", "2"]
+    else:
+        argv = ["--cap-gib", "8", "--start-layers", "nvme=22,cpu=4", "--max-probes", "3", "--steps", "2"]
+        argv += ["--budget-s", "1800", "--modes", "nvme,cpu"]
+    out = bench_capacity.main([*argv, "--dir", str(log_dir)])
     out["wall_s"] = round(time.monotonic() - began, 1)
     return out
 
@@ -550,6 +570,7 @@ def main(argv=None) -> int:
         "hierarchical": lambda tmp: run_hierarchical(opts),
         "aio": lambda tmp: run_aio(opts),
         "nvme_optimizer": lambda tmp: run_nvme_optimizer(opts, tmp),
+        "capacity": lambda tmp: run_capacity(opts, tmp),  # not in --only's default: ~25 min
     }
     only = {name for name in opts.only.split(",") if name}
     unknown = sorted(only - set(runners))

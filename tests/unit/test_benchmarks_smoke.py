@@ -381,3 +381,71 @@ def test_run_all_quick_nvme_optimizer(tmp_path):
     losses = n["case"]["final_loss"]
     assert losses["ours_z2_nvme"] == losses["ours_z2_off"], losses
     assert "Optimizer offload to NVMe vs CPU" in (tmp_path / "latest.md").read_text()
+
+
+# ----------------------------------------------------------------------------- capacity
+
+
+def _bench_capacity():
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    import bench_capacity
+
+    return bench_capacity
+
+
+def test_capacity_search_doubles_then_bisects():
+    """bench_capacity's search: 4, 8, 16 fit or not, then bisects to the last size that fits;
+    an error (not memory) bounds nothing and stops it."""
+    bc = _bench_capacity()
+    asked = []
+
+    def probe(layers):
+        asked.append(layers)
+        if layers <= 11:
+            return {"layers": layers, "params": layers, "fits": True}
+        return {"layers": layers, "params": layers, "fits": False, "failure": "out of memory (killed)"}
+
+    probes = bc.search(probe, 4, 10, float("inf"), lambda r: None)
+    assert asked == [4, 8, 16, 12, 10, 11]
+    assert bc.largest(probes)["layers"] == 11
+    asked.clear()
+    probes = bc.search(probe, 4, 3, float("inf"), lambda r: None)  # the probe budget
+    assert asked == [4, 8, 16] and bc.largest(probes)["layers"] == 8
+    asked.clear()
+    probes = bc.search(probe, 32, 10, float("inf"), lambda r: None)  # too big at first: halves
+    assert asked == [32, 16, 8, 12, 10, 11]
+    asked.clear()
+    error = {"fits": False, "failure": "error", "layers": 4, "params": 4}
+    assert bc.search(lambda n: asked.append(n) or error, 4, 10, float("inf"), lambda r: None) == [error]
+    assert asked == [4]
+    # The decoder's parameter count is the model's.
+    from _train_workers import build_model
+
+    spec = dict(bc.decoder_spec(64, 2), heads=2)
+    assert bc.param_count(64, 2) == sum(p.numel() for p in build_model(spec).parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_run_all_quick_capacity(tmp_path):
+    """The capacity section alone (width 256, 2 layers, a 1.5 GiB cgroup): cpu and nvme offload
+    fit, NVMe holds 16 B/param on disk, and the capped run's losses equal the reference's."""
+    reason = _bench_capacity().cgroup_unavailable_reason()
+    if reason:
+        pytest.skip(f"needs a writable cgroup-v1 memory controller for its cap: {reason}")
+    out = _run("run_all.py", "--skip-upstream", "--out-dir", str(tmp_path), "--only", "capacity", timeout=380)
+    c = json.loads((tmp_path / "latest.json").read_text())["capacity"]
+    assert c["cap_method"] == "cgroup" and c["cap_bytes"] == int(1.5 * 2**30)
+    probes = {p["mode"]: p for p in c["probes"]}
+    assert set(probes) == {"cpu", "nvme"} and all(p["fits"] for p in probes.values()), out
+    for p in probes.values():
+        assert 0 < p["group_peak_bytes"] <= c["cap_bytes"] and p["oom_kills"] == 0
+        assert len(p["losses"]) == 2 and p["params"] == c["largest_nvme"]["params"]
+    assert probes["cpu"]["disk_bytes"] == 0
+    # Every partition and the masters + Adam states, fp32, each file rounded up to 4096 bytes.
+    assert 16 * probes["nvme"]["params"] <= c["nvme_disk_bytes"] < 16 * probes["nvme"]["params"] * 1.1
+    assert probes["nvme"]["losses"] == probes["cpu"]["losses"]  # the same math either way
+    assert c["reference"]["fits"] and c["losses_equal"]
+    assert not [p["cgroup"] for p in c["probes"] + [c["reference"]] if Path(p["cgroup"]).exists()]
+    assert "Capacity: the largest decoder trained under a memory cap" in (tmp_path / "latest.md").read_text()
