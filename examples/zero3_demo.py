@@ -10,7 +10,9 @@ with the stage-3 engine (`deepspeed.initialize`), printing the loss and each ran
 of parameters, gradients and optimizer state. Finally it saves a checkpoint, loads it into a
 stage-2 engine whose optimizer state lives on the CPU (`offload_optimizer`), and trains both
 engines on, side by side: the losses agree, whatever the stage. The offloaded engine's own
-checkpoint then resumes at stage 1 with the optimizer back in place, and agrees again.
+checkpoint then resumes at stage 1 with the optimizer back in place, and at stage 3 with the
+parameters and the optimizer state swapped to files on disk (ZeRO-Infinity's NVMe offload,
+into a temporary folder here), and all three agree again.
 
 The stage-3 engine's training curve goes to a TensorBoard log and CSV files (the config's
 `tensorboard` and `csv_monitor` blocks) under `--log_dir` (default `runs/`), with the loss
@@ -173,12 +175,32 @@ def continue_at_stage_2(stage3_engine, ids) -> None:
     config = {**CONFIG, "zero_optimization": {"stage": 1}}
     stage1_engine, *_ = deepspeed.initialize(model=build(zero3=False), config=config)
     stage1_engine.load_checkpoint(path[0], tag="offloaded")
+    nvme_engine = on_nvme(path[0], config["optimizer"])
+    nvme_engine.load_checkpoint(path[0], tag="offloaded")
     for step in range(2):
-        b, c = train_step(stage2_engine, ids), train_step(stage1_engine, ids)
-        rank0_print(f"resumed again {step + 1}/2: stage 2 + CPU optimizer loss {b:.4f}, stage 1 loss {c:.4f}")
+        b, c, d = train_step(stage2_engine, ids), train_step(stage1_engine, ids), train_step(nvme_engine, ids)
+        rank0_print(
+            f"resumed again {step + 1}/2: stage 2 + CPU optimizer loss {b:.4f}, stage 1 loss {c:.4f}, "
+            f"stage 3 + NVMe loss {d:.4f}"
+        )
+    nvme_engine.destroy()
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(path[0], ignore_errors=True)
+
+
+def on_nvme(folder: str, optimizer: dict):
+    """A stage-3 engine whose parameter partitions and optimizer state live in swap files under
+    `folder` (each rank swaps into a private subfolder, removed when the process ends)."""
+    zero = {
+        "stage": 3,
+        "offload_param": {"device": "nvme", "nvme_path": folder, "max_in_cpu": 10_000},
+        "offload_optimizer": {"device": "nvme", "nvme_path": folder},
+        "sub_group_size": 20_000,  # the optimizer steps the state a piece at a time
+    }
+    config = {**CONFIG, "zero_optimization": zero, "optimizer": optimizer}
+    engine, *_ = deepspeed.initialize(model=build(zero3=False), config=config)
+    return engine
 
 
 if __name__ == "__main__":

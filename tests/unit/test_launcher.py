@@ -360,7 +360,7 @@ def test_rank_command_and_env():
 def test_the_main_demo_runs_and_every_resumed_engine_agrees(tmp_path):
     """`make demo`'s script through the launcher: the partitioned model equals the plain one,
     the edit is kept, and after each checkpoint switch (stage 3 -> stage 2 with the optimizer
-    offloaded -> stage 1) both engines print the same loss. The stage-3 engine's curve is in
+    offloaded -> stage 1, and stage 3 on NVMe) the engines print the same loss. The stage-3 engine's curve is in
     the CSV files the demo says it wrote: the losses it printed, at 8 samples a step."""
     demo = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "zero3_demo.py")
     port = str(get_free_port())
@@ -374,6 +374,8 @@ def test_the_main_demo_runs_and_every_resumed_engine_agrees(tmp_path):
     pairs = re.findall(r"loss (\d+\.\d+), (?:stage 2 \+ CPU optimizer|stage 1) loss (\d+\.\d+)", out)
     assert len(pairs) == 5, out
     assert all(a == b for a, b in pairs), pairs
+    on_nvme = re.findall(r"stage 1 loss (\d+\.\d+), stage 3 \+ NVMe loss (\d+\.\d+)", out)
+    assert len(on_nvme) == 2 and all(a == b for a, b in on_nvme), out
     log = tmp_path / "zero3_demo"
     assert f"TensorBoard log and CSV files in {log}/" in out, out
     printed = [float(v) for v in re.findall(r"step \d+/10: loss (\d+\.\d+)", out)]
