@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,27 @@ def read_tensorboard(folder: Path) -> dict:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def read_wandb_history(wandb_dir: Path) -> tuple:
+def read_wandb_history(wandb_dir: Path, patience_s: float = 20.0) -> tuple:
     """(project, group, `{key: [(step, value), ...]}`) of the one offline run under `wandb_dir`.
+
+    wandb's service process writes the file; once in about a dozen runs it was read without
+    its run record. Re-read until the record is there (up to `patience_s`), then fail naming
+    the record types that were read.
+    """
+    deadline = time.monotonic() + patience_s
+    while True:
+        run, history, kinds = _parse_wandb_file(wandb_dir)
+        if run is not None:
+            return run.project, run.run_group, history
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"no run record in wandb's offline file after {patience_s} s; records: {kinds}"
+            )
+        time.sleep(0.5)
+
+
+def _parse_wandb_file(wandb_dir: Path) -> tuple:
+    """(run record or None, history, {record type: count}) of the offline run's file as it is now.
 
     The run file is a sequence of protobuf records in LevelDB's log framing: a 7-byte file
     header, then in 32 KiB blocks records of (crc32, length, type) + data, a record split
@@ -76,7 +96,7 @@ def read_wandb_history(wandb_dir: Path) -> tuple:
     (path,) = list(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
     raw, block = path.read_bytes(), 32768
     assert raw[:4] == b":W&B"
-    pos, pending, history, run = 7, b"", {}, None
+    pos, pending, history, run, kinds = 7, b"", {}, None, {}
     while pos + 7 <= len(raw):
         if block - pos % block < 7:  # too little left in the block for a header: padding
             pos += block - pos % block
@@ -88,6 +108,7 @@ def read_wandb_history(wandb_dir: Path) -> tuple:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
+            kinds[record.WhichOneof("record_type")] = kinds.get(record.WhichOneof("record_type"), 0) + 1
             if record.WhichOneof("record_type") == "run":
                 run = record.run
             elif record.WhichOneof("record_type") == "history":
@@ -97,7 +118,7 @@ def read_wandb_history(wandb_dir: Path) -> tuple:
                 for key, value in items.items():
                     if not key.startswith("_"):
                         history.setdefault(key, []).append((record.history.step.num, json.loads(value)))
-    return run.project, run.run_group, history
+    return run, history, kinds
 
 
 # ---------------------------------------------------------------------------------- config
