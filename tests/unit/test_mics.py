@@ -22,6 +22,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.utils import groups
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from tests.unit.common import DistributedTest
+from tests.unit.test_node_traffic import traffic_config
 from tests.zoo import models as zm
 from tests.zoo.harness import (
     LOSS_RTOL,
@@ -111,22 +112,6 @@ def _two_hop_parity(shard: int, nodes: int, per_node: int) -> None:
         )
 
 
-def _comm_config(shard: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "gradient_clipping": 0.0,
-        "zero_optimization": {
-            "stage": 3,
-            "mics_shard_size": shard,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_prefetch_bucket_size": 0,  # one gather per module and pass
-            "reduce_bucket_size": 10**8,  # every gradient in one reduce-scatter
-        },
-        "comms_logger": {"enabled": True},
-    }
-
-
 def _sizes(records: dict, ops: tuple) -> dict:
     found: dict = {}
     for name in ops:
@@ -141,7 +126,9 @@ def _check_comm_sizes(shard: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 4, bias=False))
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=_comm_config(shard)
+        model=model,
+        model_parameters=model.parameters(),
+        config={**traffic_config(shard), "comms_logger": {"enabled": True}},
     )
     dist.reset_log()
     x = torch.randn(2, 6, device=engine.device)
