@@ -86,7 +86,11 @@ def huge_page_zeros(
         mapping.close()
         return torch.zeros(shape, dtype=dtype)
     # The storage holds a reference to `mapping`, which unmaps when the last user goes.
-    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset).view(shape)
+    flat = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset)
+    # A tensor on that storage, not a view of `flat`: a view keeps its base alive, so a caller
+    # that later points it elsewhere (`set_`, as NVMe swapping does with optimizer states)
+    # would keep the whole mapping too.
+    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), flat.storage_offset(), shape)
 
 
 def anon_huge_page_bytes() -> Optional[int]:

@@ -587,6 +587,28 @@ def test_huge_page_tensor_outlives_its_maker_and_saves():
     assert loaded.shape == (HUGE_N,) and bool((loaded == 3.0).all())
 
 
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+@pytest.mark.skipif(not huge_pages.huge_pages_available(), reason="no transparent huge pages here")
+def test_huge_page_tensor_is_no_view_and_frees_its_mapping_when_repointed():
+    """NVMe optimizer offload points each state at a sentinel with `set_` between steps: the
+    tensor must own its storage (no `_base`), or the mapping stays alive behind it."""
+    t = huge_pages.huge_page_zeros((HUGE_N // 4, 4))
+    assert t._base is None and t.shape == (HUGE_N // 4, 4) and t.is_contiguous()
+    address = t.data_ptr()
+    assert _mapped(address)
+    t.set_(torch.zeros(1).expand(HUGE_N // 4, 4))
+    gc.collect()
+    assert not _mapped(address), "the huge-page mapping outlived the only tensor on it"
+
+
 def test_huge_page_zeros_falls_back_where_unavailable(monkeypatch):
     monkeypatch.setattr(huge_pages, "_why_not", lambda: "disabled by the test")
     t = huge_pages.huge_page_zeros((HUGE_N,), torch.float32)

@@ -932,6 +932,45 @@ class TestReuseDistance(DistributedTest):
         assert results[0][0] == results[10**9][0]  # same values
         assert results[10**9][1] < results[0][1]  # backward re-gathers nothing that forward kept
 
+    def test_kept_parameters_are_charged_the_buffer_they_keep(self, monkeypatch):
+        """A parameter kept for reuse keeps the whole buffer its full tensor is a view of (its
+        module's): parameters sharing one are kept all or none, and the buffer's size counts
+        against max_live_parameters, so a kept bias cannot pin its module's weight."""
+        data = batches(3, seed=7)
+        hooks = __import__("deepspeed.runtime.zero.hooks", fromlist=["_Prefetcher"])
+        original = hooks._Prefetcher.keep_for_reuse
+        seen = []
+
+        def checked(prefetcher, states):
+            free = original(prefetcher, states)
+            held = list(prefetcher.held.values())
+            buffers = {id(s.full_buffer): s.full_buffer for s in held if s.full_buffer is not None}
+            for fb in buffers.values():  # all or none of a buffer's parameters
+                assert fb.live == sum(s.full_buffer is fb for s in held), "part of a buffer kept"
+            kept = sum(fb.buf.numel() for fb in buffers.values())
+            seen.append(kept)
+            assert kept <= prefetcher.held_elems <= prefetcher.max_live_elems
+            return free
+
+        # Unbounded, everything is kept; at WIDTH**2 no Linear's buffer fits, but its bias would.
+        for live in (10**9, WIDTH * WIDTH):
+            zero = {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 0,
+                "stage3_prefetch_bucket_size": 50,
+                "stage3_max_live_parameters": live,
+                "stage3_max_reuse_distance": 10**9,
+            }
+            monkeypatch.setattr(hooks._Prefetcher, "keep_for_reuse", checked)
+            seen.clear()
+            _, losses = engine_run(data, zero_optimization=zero, build_under_init=True)
+            monkeypatch.undo()
+            assert seen and max(seen) > 0, seen
+            if live == 10**9:
+                reference = losses
+            else:
+                assert losses == reference  # what is kept changes no value
+
 
 class TestInitializeMisuse:
     def test_missing_config_and_model(self):

@@ -446,3 +446,34 @@ class TestGatherMisuse:
             gc.collect()
         messages = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
         assert messages and "in leak" in messages[0] and "without stop()" in messages[0]
+
+
+def test_full_buffer_pool_reuses_a_buffer_only_up_to_twice_a_run():
+    """A released module's buffer serves the next gather of at most its size, but not a run
+    much smaller: a bias laid out in an MLP weight's buffer would hold all of it."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.zero.gather import _FullPool
+
+    def run(*sizes):
+        base = torch.zeros(sum(sizes))  # the shards' flat buffer: what a run is known by
+        return [
+            SimpleNamespace(
+                ds_id=i,
+                shard_base=base,
+                world_size=2,
+                partition_size=n,
+                padding=0,
+                numel=2 * n,
+                shape=(2 * n,),
+            )
+            for i, n in enumerate(sizes)
+        ]
+
+    pool = _FullPool()
+    big = pool.take(run(500, 12), torch.float32, torch.device("cpu"))
+    pool.give_back(big)
+    small = pool.take(run(6), torch.float32, torch.device("cpu"))
+    assert small is not big and small.buf.numel() == 12  # 12 elements get their own buffer
+    half = pool.take(run(300), torch.float32, torch.device("cpu"))
+    assert half is big and half.flat.numel() == 600  # 600 of 1024: the buffer is reused

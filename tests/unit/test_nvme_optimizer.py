@@ -6,8 +6,11 @@ for bit, at stages 1, 2 and 3, with and without pipelining, over several sub-gro
 gradient accumulation and clipping. Checkpoints move between NVMe and CPU runs both ways.
 """
 
+import gc
 import resource
 import signal
+import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,12 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.runtime.swap_tensor.swap_store import AioSettings, SwapSpaceError, SwapStore
-from deepspeed.runtime.zero.nvme_optimizer import minimum_buffer_count, state_kinds
+from deepspeed.runtime.zero.nvme_optimizer import (
+    OptimizerSwapper,
+    minimum_buffer_count,
+    state_kinds,
+    step_only,
+)
 from tests.unit.common import DistributedTest
 from tests.unit.test_engine import TinyLM, batches, config, my_slice
 
@@ -324,3 +332,57 @@ def test_disk_too_small_is_named_with_the_total(tmp_path, monkeypatch):
         store.reserve_many({"a": 4096, "b": 4096, "c": 1})
     assert not list(tmp_path.rglob("*.swp")), "nothing is reserved when the whole amount does not fit"
     store.close()
+
+
+class ViewMomentumSGD(torch.optim.Optimizer):
+    """Momentum SGD whose momentum buffer is a view into a larger tensor (as huge_page_zeros
+    once returned Adam's states); `bases` has a weak reference to each such tensor."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+        self.bases = []
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum" not in state:
+                    base = torch.zeros(p.numel() + 16)
+                    self.bases.append(weakref.ref(base))
+                    state["momentum"] = base[16:].view(p.shape)
+                state["momentum"].mul_(0.9).add_(p.grad)
+                p.add_(state["momentum"], alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("pipeline", [(False, False), (True, True)])
+def test_a_swapped_out_state_keeps_no_memory_even_as_a_view(tmp_path, pipeline):
+    """After a step every state tensor the optimizer made is free: a view's base (its whole
+    first-step buffer) must not outlive the swap-out, or NVMe offload holds the state twice."""
+    masters = [torch.nn.Parameter(torch.randn(n)) for n in (1000, 700, 1500)]
+    plain = [torch.nn.Parameter(m.detach().clone()) for m in masters]
+    opt, ref = ViewMomentumSGD(masters), ViewMomentumSGD(plain)
+    assert [k for k, _ in state_kinds(opt)] == ["momentum"]
+    offload = types.SimpleNamespace(
+        nvme_path=str(tmp_path), pipeline_read=pipeline[0], pipeline_write=pipeline[1], buffer_count=6
+    )
+    swapper = OptimizerSwapper(opt, masters, offload, 1200, AioSettings(), "optimizer")
+    try:
+        for step in range(3):
+            for m, p in zip(masters, plain):
+                m.grad = p.grad = torch.full_like(p, 0.01 * (step + 1))
+            assert swapper.step(lambda group: step_only(opt, group)) is None
+            ref.step()
+            gc.collect()
+            assert len(opt.bases) == 3 and all(base() is None for base in opt.bases), (
+                "a state's old buffer is alive"
+            )
+            assert all(swapper.holds(opt.state[m]["momentum"]) for m in masters)
+        with swapper.resident():
+            for m, p in zip(masters, plain):
+                assert torch.equal(m.detach(), p.detach())
+                assert torch.equal(opt.state[m]["momentum"], ref.state[p]["momentum"])
+    finally:
+        swapper.close()

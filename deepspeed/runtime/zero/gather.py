@@ -151,6 +151,9 @@ class _ScratchPool:
     """
 
     KEEP = 2
+    # A run reuses a buffer at most this many times its size: a bias laid out in a whole MLP
+    # weight's buffer would hold all of it for as long as the bias stays gathered.
+    SLACK = 2
 
     def __init__(self) -> None:
         self._free: dict = {}  # (dtype, device) -> [1D tensor], smallest first
@@ -243,12 +246,15 @@ class _FullPool:
     gather of the same run takes its buffer back with the views already made, so a
     repeated gather of a module makes no tensor per parameter, allocates nothing and
     touches no fresh page (on the CPU, fresh pages cost about as much as the copy out
-    itself, see `_ScratchPool`). Another run of at most that size reuses the memory with new
-    views. At most `KEEP` buffers per (dtype, device) are kept, the largest; `clear()`
+    itself, see `_ScratchPool`). Another run of at most that size, and at least half of it
+    (`SLACK`), reuses the memory with new views. At most `KEEP` buffers per (dtype, device) are kept, the largest; `clear()`
     frees them.
     """
 
     KEEP = 2
+    # A run reuses a buffer at most this many times its size: a bias laid out in a whole MLP
+    # weight's buffer would hold all of it for as long as the bias stays gathered.
+    SLACK = 2
 
     def __init__(self) -> None:
         self._free: dict = {}  # (dtype, device) -> [_FullBuffer], smallest buffer first
@@ -267,8 +273,8 @@ class _FullPool:
                     del free[i]
                     return fb  # the same run: its views are ready
             numel = run[0].world_size * sum(s.partition_size for s in run)
-            for i, fb in enumerate(free):
-                if fb.buf.shape[0] >= numel:
+            for i, fb in enumerate(free):  # smallest first; at most twice the run's size
+                if numel <= fb.buf.shape[0] <= self.SLACK * numel:
                     del free[i]
                     fb.lay_out(run, key)
                     return fb

@@ -226,6 +226,23 @@ class _Hold:
         return f"{self.phase} of {type(self.module).__name__}"
 
 
+def _by_full_buffer(states: list) -> list:
+    """`states` grouped by the buffer their full tensors are views of (gather.py's `_FullBuffer`),
+    in first-seen order; a state with no such buffer is a group of its own."""
+    groups: dict = {}
+    for s in states:
+        owner = s.full_buffer
+        groups.setdefault(id(s) if owner is None else id(owner), []).append(s)
+    return list(groups.values())
+
+
+def _full_buffer_elems(run: list) -> int:
+    """Elements that keeping `run` (one group of `_by_full_buffer`) keeps in memory."""
+    owner = run[0].full_buffer
+    own = sum(s.numel for s in run)
+    return own if owner is None else max(own, owner.buf.numel())
+
+
 class _Prefetcher:
     """Holds parameters gathered ahead of use, following the recorded fetch trace."""
 
@@ -244,6 +261,7 @@ class _Prefetcher:
         # number of submodules when the bucket spans the model).
         self.scanned = 0
         self.held: dict = {}  # ds_id -> state the prefetcher holds
+        self.charged: dict = {}  # ds_id -> elements it counts for in held_elems (see keep_for_reuse)
         self.held_elems = 0
         self.prefetched = 0  # parameters gathered ahead of use, for tests and benchmarks
         self.swapping = False  # NVMe: some traced partition swaps (read_ahead has work)
@@ -281,36 +299,50 @@ class _Prefetcher:
         """Take holds on those of `states` fetched again within `max_reuse_elems`; return the rest.
 
         A submodule releasing parameters that the trace says are needed again soon (its own
-        backward, a reused layer) keeps them gathered instead of re-gathering them.
+        backward, a reused layer) keeps them gathered instead of re-gathering them. Parameters
+        whose full tensors share one buffer (a module's, gather.py's `_FullPool`) are kept all
+        or none, and charged the buffer's size against `max_live_elems`: one kept bias would
+        keep its module's whole buffer alive.
         """
         if self.recording or self.max_reuse_elems <= 0:
             return states
-        here = self.elems_before[self.position] if self.position < len(self.trace) else None
+        if self.position >= len(self.trace):
+            return states
+        here = self.elems_before[self.position]
         free = []
-        for s in states:
+        for run in _by_full_buffer(states):
+            if not self._keep_run(run, here):
+                free.extend(run)
+        return free
+
+    def _keep_run(self, run: list, here: int) -> bool:
+        if any(s.ds_id in self.held for s in run):
+            return False  # already the prefetcher's (gathered ahead of this use)
+        charge = _full_buffer_elems(run)
+        if self.held_elems + charge > self.max_live_elems:
+            return False
+        for s in run:
             uses = self.uses.get(s.ds_id, ())  # ascending trace positions
             after = bisect.bisect_left(uses, self.position)
-            later = uses[after] if after < len(uses) else None
-            fits = self.held_elems + s.numel <= self.max_live_elems and s.ds_id not in self.held
-            if (
-                here is None
-                or later is None
-                or not fits
-                or self.elems_before[later] - here > self.max_reuse_elems
-            ):
-                free.append(s)
-                continue
+            if after == len(uses) or self.elems_before[uses[after]] - here > self.max_reuse_elems:
+                return False
+        for s in run:
             s.hold(self)  # already gathered: holding it is all it takes to keep it
-            self.held[s.ds_id] = s
-            self.held_elems += s.numel
-        return free
+            self._take(s, s.numel)
+        self._take(run[0], charge - sum(s.numel for s in run))  # the buffer's padding and slack
+        return True
+
+    def _take(self, s: Any, elems: int) -> None:
+        self.held[s.ds_id] = s
+        self.charged[s.ds_id] = self.charged.get(s.ds_id, 0) + elems
+        self.held_elems += elems
 
     def hand_over(self, states: list) -> None:
         """The submodule now holds these: drop the prefetcher's holds on them."""
         mine = [s for s in states if s.ds_id in self.held]
         for s in mine:
             del self.held[s.ds_id]
-            self.held_elems -= s.numel
+            self.held_elems -= self.charged.pop(s.ds_id)
         if mine:
             gather.release_states(mine, self)
 
@@ -333,8 +365,7 @@ class _Prefetcher:
                     break
                 wanted.append(s)
                 budget -= s.numel
-                self.held[s.ds_id] = s
-                self.held_elems += s.numel
+                self._take(s, s.numel)
             if budget <= 0:
                 break  # this entry may have more to gather: the next call looks at it again
             index += 1
@@ -353,6 +384,7 @@ class _Prefetcher:
         if self.held:
             gather.release_states(list(self.held.values()), self)
         self.held.clear()
+        self.charged.clear()
         self.held_elems = 0
         self.position = 0
         self.scanned = 0

@@ -25,7 +25,9 @@ shards, as the unswapped step does once at its end.
 A master or state tensor keeps its identity while swapped out (the optimizer's state dict
 and param groups name it), its shape and dtype, so gradients can still be assigned to a
 master. Its data is a one-element NaN broadcast to its shape (stride 0): it holds no memory,
-an in-place write to it raises, and a read shows NaN rather than stale numbers. Code that
+an in-place write to it raises, and a read shows NaN rather than stale numbers. A state
+tensor the optimizer made as a view (of a larger buffer) is replaced in its state dict by a
+new one instead: a view keeps its base, and so the old values' memory, alive. Code that
 must see the values (a checkpoint save or load, the optimizer's `state_dict`) runs inside
 `resident()`, which reads everything into ordinary host memory and writes it back after.
 
@@ -81,6 +83,11 @@ def state_kinds(optimizer: torch.optim.Optimizer) -> list:
         if torch.is_tensor(value) and value.shape == probe.shape:
             kinds.append((key, None if value.dtype == probe.dtype else value.dtype))
     return kinds
+
+
+def _swapped_out(sentinel: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A new tensor of `shape` on the one-element sentinel's storage (stride 0), not a view of it."""
+    return torch.empty(0, dtype=sentinel.dtype).set_(sentinel.untyped_storage(), 0, shape, (0,) * len(shape))
 
 
 def minimum_buffer_count(kinds: int, pipeline_read: bool, pipeline_write: bool) -> int:
@@ -258,6 +265,10 @@ class OptimizerSwapper:
                     view.copy_(current)  # state the optimizer created or replaced this time
                 if kind == _MASTER:
                     master.data = sentinel.expand(master.shape)
+                elif current._base is not None:
+                    # A view keeps its base alive whatever its own storage becomes: the
+                    # optimizer's entry is replaced instead, or the base would stay in memory.
+                    state[master][kind] = _swapped_out(sentinel, master.shape)
                 else:
                     current.set_(sentinel.expand(master.shape))
                 group.written.add(kind)
