@@ -2,7 +2,7 @@
 parameters and optimizer state offloaded to the CPU or to NVMe (issue 44 item 6).
 
     python benchmarks/bench_capacity.py [--cap-gib 8] [--modes cpu,nvme] [--budget-s 1800]
-        [--dir DIR] [--width 2048] [--start-layers 8] [--json out.json]
+        [--dir DIR] [--width 2048] [--start-layers 8] [--json out.json] [--impl ours|upstream]
 
 Each probe is one process (1 rank, fp32, AdamW, batch 1 x `--seq` tokens, `--steps` steps)
 put into a fresh cgroup-v1 memory group capped at `--cap-gib` (`memory.limit_in_bytes`, and
@@ -47,6 +47,10 @@ MARK = "@@capacity@@"
 PHASE = "@@phase@@"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 GIB = 1 << 30
+# --impl upstream: DeepSpeed 0.19.8 in setup_upstream.sh's venv, its ops JIT-built into the
+# cache bench_train_step uses (async_io needs libaio-dev: `apt-get install libaio-dev`).
+UPSTREAM_PYTHON = HERE / ".venv-upstream" / "bin" / "python"
+EXTENSIONS_DIR = HERE / ".cache" / "torch_extensions"
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -211,20 +215,54 @@ class MemoryGroup:
                 time.sleep(0.1)
 
 
+def worker_command(
+    impl: str, mode: str, layers: int, width: int, seq: int, steps: int, swap_dir: str
+) -> tuple:
+    """`(argv, env)` of one worker: this checkout's package (ours) or upstream's venv."""
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    python = sys.executable
+    if impl == "upstream":
+        python = str(UPSTREAM_PYTHON)
+        env = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR))
+    elif impl == "ours":
+        env["PYTHONPATH"] = str(HERE.parent)
+    else:
+        raise ValueError(f"--impl {impl!r}; use 'ours' or 'upstream'")
+    argv = [python, str(Path(__file__).resolve()), "--worker", "--mode", mode]
+    argv += ["--layers", str(layers), "--width", str(width), "--seq", str(seq)]
+    argv += ["--steps", str(steps), "--swap-dir", swap_dir]
+    return argv, env
+
+
+def warm_up(impl: str) -> None:
+    """One tiny uncapped run per mode, so that a JIT build (upstream's cpu_adam and async_io)
+    happens before any probe: its compiler would otherwise count against the cap."""
+    from _launch import free_port
+
+    for mode in ("cpu", "nvme"):
+        swap_dir = tempfile.mkdtemp(prefix="ds_capacity_warm_")
+        try:
+            argv, env = worker_command(impl, mode, 1, 256, 16, 1, swap_dir)
+            env["MASTER_PORT"] = str(free_port())
+            done = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        finally:
+            shutil.rmtree(swap_dir, ignore_errors=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"bench_capacity: the {impl} warm-up ({mode}) failed:\n{done.stdout[-3000:]}")
+
+
 def run_probe(mode: str, layers: int, cap: int, opts) -> dict:
     """One capped training process; returns its record (fits, memory, times, disk)."""
     from _launch import free_port
 
     swap_dir = tempfile.mkdtemp(prefix="ds_capacity_", dir=opts.dir)
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode]
-    argv += ["--layers", str(layers), "--width", str(opts.width), "--seq", str(opts.seq)]
-    argv += ["--steps", str(opts.steps), "--swap-dir", swap_dir]
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    argv, env = worker_command(opts.impl, mode, layers, opts.width, opts.seq, opts.steps, swap_dir)
     env["MASTER_PORT"] = str(free_port())
     if opts.mmap_threshold:  # see --mmap-threshold; a threshold the caller set is kept
         for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
             env.setdefault(key, str(opts.mmap_threshold))
-    record: dict = {"mode": mode, "layers": layers, "width": opts.width, "cap_bytes": cap}
+    record: dict = {"impl": opts.impl, "mode": mode, "layers": layers, "width": opts.width, "cap_bytes": cap}
     record["params"] = param_count(opts.width, layers, opts.seq)
     record["load_before"] = os.getloadavg()
     group: Optional[MemoryGroup] = None
@@ -316,12 +354,13 @@ def largest(probes: list) -> Optional[dict]:
 def summarize(result: dict) -> str:
     """The probes as a markdown table."""
     rows = [
-        "| mode | layers | params | fits | group peak GiB | worker peak RSS GiB | median step s | disk GB |"
+        "| impl | mode | layers | params | fits | group peak GiB | worker peak RSS GiB | median step s | disk GB |"
     ]
-    rows.append("|---|---:|---:|---|---:|---:|---:|---:|")
+    rows.append("|---|---|---:|---:|---|---:|---:|---:|---:|")
     for p in result["probes"]:
         peak = p.get("group_peak_bytes")
         cells = [
+            p.get("impl", "ours"),
             p["mode"],
             str(p["layers"]),
             f"{p['params'] / 1e9:.3f} B",
@@ -353,6 +392,7 @@ def main(argv=None) -> dict:
         "--reference-gib", type=float, default=10.0, help="guard of the reference run (0: skip it)"
     )
     parser.add_argument("--modes", default="cpu,nvme")
+    parser.add_argument("--impl", default="ours", choices=("ours", "upstream"))
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
@@ -391,6 +431,8 @@ def run(opts) -> dict:
     result["mmap_threshold"] = opts.mmap_threshold
     result["machine"] = {"cpus": os.cpu_count(), "load_start": os.getloadavg()}
     result["probes"] = []
+    result["impl"] = opts.impl
+    warm_up(opts.impl)
     for mode in opts.modes.split(","):
         probe = lambda layers, mode=mode: run_probe(mode, layers, cap, opts)  # noqa: E731
         probes = search(probe, opts.start_layers[mode], opts.max_probes, deadline, log)

@@ -253,6 +253,27 @@ def round_trip(tmp_path, stage):
 class TestNvmeSetupFailures(DistributedTest):
     world_size = 2
 
+    def test_setup_never_holds_every_master(self, tmp_path, monkeypatch):
+        """The masters' first values go to their files one sub-group at a time, read from the
+        shards: before that, no master holds memory (4 bytes per parameter at once would be
+        more than a model that needs NVMe has room for)."""
+        import deepspeed.runtime.zero.nvme_optimizer as nvme
+
+        seen = []
+        original = nvme.OptimizerSwapper.__init__
+
+        def checking(swapper, optimizer, masters, *args, **kwargs):
+            seen.append(all(m.stride() == (0,) for m in masters))
+            original(swapper, optimizer, masters, *args, **kwargs)
+
+        monkeypatch.setattr(nvme.OptimizerSwapper, "__init__", checking)
+        data = batches(2, seed=3)
+        swap_folder(tmp_path).mkdir(exist_ok=True)
+        for stage in (2, 3):
+            nvme_losses = train(build(stage, "nvme", swap_folder(tmp_path)), data)
+            assert nvme_losses == train(build(stage, "cpu"), data)  # the first values were the shards'
+        assert seen == [True, True]
+
     def test_full_disk_on_one_rank_fails_every_rank(self, tmp_path):
         # A real limit, not a patched one: rank 1 may write no file larger than 1 KiB
         # (RLIMIT_FSIZE), so reserving its swap files fails in posix_fallocate with EFBIG.

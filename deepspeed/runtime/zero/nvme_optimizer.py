@@ -121,7 +121,10 @@ class OptimizerSwapper:
         sub_group_size: int,
         aio: AioSettings,
         name: str,
+        initial_value: Optional[Callable[[nn.Parameter], torch.Tensor]] = None,
     ) -> None:
+        """`initial_value(master)`: the master's first values, read as its sub-group is first
+        written (the engine's masters hold none yet: see `_make_master`); default its data."""
         if offload.nvme_path is None:
             raise ValueError(
                 "zero_optimization.offload_optimizer.nvme_path is required with device 'nvme': set it to a "
@@ -147,6 +150,7 @@ class OptimizerSwapper:
             for dtype in set(self.kinds.values())
         }
         self._resident_depth = 0
+        self._initial_value = initial_value or (lambda master: master.data)
         self.store = SwapStore(offload.nvme_path, name, aio)
         try:
             self.store.reserve_many({g.key(k): n for g in self.groups for k, n in g.nbytes.items()})
@@ -243,10 +247,10 @@ class OptimizerSwapper:
                     state[master][kind].set_(view)
 
     def _attach_new(self, group: _Group) -> None:
-        """Set-up: the masters' values (in memory still) move into fresh buffers."""
+        """Set-up: the masters' first values go into fresh buffers."""
         self._take_buffers(group, plain=False)
         for master, view in zip(group.masters, self._views(group, _MASTER)):
-            view.copy_(master.data)
+            view.copy_(self._initial_value(master))
             master.data = view
         group.written.add(_MASTER)
 

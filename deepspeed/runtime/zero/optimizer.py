@@ -318,6 +318,11 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             # (4 bytes per parameter less) and the write-back after a step has nothing to copy.
             # A partition swapped to NVMe is not always in memory: its master is a copy.
             master = nn.Parameter(state.shard.detach())
+        elif self.swap_config is not None:
+            # NVMe: the swapper writes each master's first values (the shard's) to its file one
+            # sub-group at a time (`_build_swapper`), so set-up never holds every master at once:
+            # 4 bytes per parameter, more than a model that needs NVMe has room for.
+            master = nn.Parameter(torch.full((1,), float("nan")).expand(state.partition_size))
         else:
             data = state.shard.detach().to(target, torch.float32, copy=True)
             if self.pin_masters and self.swap_config is None:  # a swapped master lives in pool buffers
@@ -336,13 +341,20 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         from deepspeed.runtime.zero.nvme_optimizer import OptimizerSwapper, agree_on_setup
 
         masters = [m for group in self.optimizer.param_groups for m in group["params"]]
+        shard_of = {id(self.masters[s.ds_id]): s for s in self.states}
         aio = AioSettings.from_block(self.config.typed_config.aio)
         rank = dist.get_rank() if dist.is_initialized() else 0
         sub_group = self.config.zero_config.sub_group_size
         return agree_on_setup(
             "zero_optimization.offload_optimizer (device 'nvme') set-up",
             lambda: OptimizerSwapper(
-                self.optimizer, masters, offload, sub_group, aio, f"optimizer_rank{rank}"
+                self.optimizer,
+                masters,
+                offload,
+                sub_group,
+                aio,
+                f"optimizer_rank{rank}",
+                initial_value=lambda master: shard_of[id(master)].shard.detach(),
             ),
         )
 
