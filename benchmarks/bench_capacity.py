@@ -19,7 +19,10 @@ fails, then bisecting between the last fit and the first failure, within `--max-
 mode and `--budget-s` in all. Each probe records the parameter count, whether it fit, the
 group's peak memory (`memory.max_usage_in_bytes`, page cache included) and the process's peak
 RSS, the median step time, the swap bytes on disk (allocated blocks under the swap folder,
-measured after the steps) and the losses. Then the largest NVMe model that fit runs again
+measured after the steps) and the losses. With `--checkpoint`, each probe also saves a
+checkpoint before its last step and, after it, loads the checkpoint and runs that step again,
+all under the cap: the record's `checkpoint` holds the save and load times, the checkpoint's
+bytes and whether the repeated step's loss equals the first one's. Then the largest NVMe model that fit runs again
 under a looser guard (`--reference-gib`, default 10: never an unbounded process on a shared
 machine) to check the capped run's losses against it: the same config, the same math.
 """
@@ -146,8 +149,14 @@ def worker(args) -> None:
     setup_s = time.perf_counter() - start
     batches = make_batches(spec, 0)
     losses, times = [], []
+    resumed: dict = {}
     for i in range(args.steps):
         x, y = batches[i % len(batches)]
+        if args.checkpoint_dir and i == args.steps - 1:  # the last step runs twice, around a load
+            began = time.perf_counter()
+            engine.save_checkpoint(args.checkpoint_dir, tag="probe")
+            resumed["save_s"] = time.perf_counter() - began
+            _phase("checkpoint saved")
         began = time.perf_counter()
         loss = engine(x, y)
         _phase(f"step {i} forward")
@@ -157,13 +166,27 @@ def worker(args) -> None:
         _phase(f"step {i} optimizer")
         times.append(time.perf_counter() - began)
         losses.append(float(loss.detach()))
+    if resumed:
+        began = time.perf_counter()
+        engine.load_checkpoint(args.checkpoint_dir, tag="probe")
+        resumed["load_s"] = time.perf_counter() - began
+        _phase("checkpoint loaded")
+        x, y = batches[(args.steps - 1) % len(batches)]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        _phase("resumed step")
+        resumed["loss"] = float(loss.detach())
+        resumed["equal"] = resumed["loss"] == losses[-1]  # the same step from the loaded state
+        resumed["bytes"] = disk_bytes(args.checkpoint_dir)
     report = {
+        "checkpoint": resumed or None,
         "params": sum(p.ds_numel for p in engine.module.parameters()),
         "setup_s": setup_s,
         "step_s": times,
         "losses": losses,
         "worker_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "disk_bytes": disk_bytes(args.swap_dir),
+        "disk_bytes": disk_bytes(args.swap_dir) - (resumed or {}).get("bytes", 0),  # the swap files
         "deepspeed_file": deepspeed.__file__,
     }
     print(MARK, json.dumps(report), flush=True)
@@ -258,6 +281,8 @@ def run_probe(mode: str, layers: int, cap: int, opts) -> dict:
 
     swap_dir = tempfile.mkdtemp(prefix="ds_capacity_", dir=opts.dir)
     argv, env = worker_command(opts.impl, mode, layers, opts.width, opts.seq, opts.steps, swap_dir)
+    if opts.checkpoint:  # inside the swap folder: removed with it
+        argv += ["--checkpoint-dir", os.path.join(swap_dir, "checkpoint")]
     env["MASTER_PORT"] = str(free_port())
     if opts.mmap_threshold:  # see --mmap-threshold; a threshold the caller set is kept
         for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
@@ -387,6 +412,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--mode", default="nvme")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--swap-dir", default="")
+    parser.add_argument("--checkpoint-dir", default="", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="each probe also saves a checkpoint before its last step, loads it after, and runs "
+        "that step again: its loss must equal the first run's (all under the cap)",
+    )
     parser.add_argument("--cap-gib", type=float, default=8.0)
     parser.add_argument(
         "--reference-gib", type=float, default=10.0, help="guard of the reference run (0: skip it)"

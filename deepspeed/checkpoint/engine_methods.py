@@ -8,17 +8,10 @@ patches them.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any, Callable, Optional
 
 from deepspeed.checkpoint import export_16bit, layout, load, save
-
-
-def _state_in_memory(engine: Any) -> Any:
-    """The optimizer's `resident()` block (interface.py), or nothing to do without an optimizer."""
-    resident = getattr(engine.checkpoint_optimizer(), "resident", None)
-    return resident() if resident is not None else contextlib.nullcontext()
 
 
 class CheckpointMethods:
@@ -37,10 +30,9 @@ class CheckpointMethods:
         Every rank must call it. `tag` defaults to `global_step{global_steps}`;
         `client_state` is returned by `load_checkpoint`. Returns True.
         """
-        with _state_in_memory(self):  # NVMe: the swapped masters and state are read in (and out after)
-            return save.save_checkpoint(
-                self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
-            )
+        # NVMe: swapped masters and state are copied a group at a time, not read into memory
+        # (nvme_optimizer.py's [Note: checkpoints of swapped state]).
+        return save.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
         self,
@@ -64,17 +56,16 @@ class CheckpointMethods:
         """
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by this engine")
-        with _state_in_memory(self):  # NVMe: what the load writes goes to the swap files at the end
-            return load.load_checkpoint(
-                self,
-                load_dir,
-                tag,
-                load_module_strict,
-                load_optimizer_states,
-                load_lr_scheduler_states,
-                load_module_only,
-                trust_checkpoint,
-            )
+        return load.load_checkpoint(  # NVMe: written to the swap files a group at a time (as above)
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+            trust_checkpoint,
+        )
 
     def save_16bit_model(
         self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False

@@ -201,6 +201,11 @@ def _apply_weights(engine: CheckpointEngine, ckpt: ShardedCheckpoint, load_optim
     """Cut this rank's shard of every saved parameter (see [Note: elastic resharding])."""
     optimizer = engine.checkpoint_optimizer()
     masters = optimizer.masters if optimizer is not None else {}
+    # NVMe: masters and swapped state go to their files a group at a time, never all in
+    # memory (nvme_optimizer.py's [Note: checkpoints of swapped state]).
+    swapper = getattr(optimizer, "swapper", None)
+    if swapper is not None and swapper.is_resident:
+        swapper = None  # inside resident(): everything is in memory, loaded as without NVMe
     group_of = {}
     if load_optim:
         for group in optimizer.optimizer.param_groups:
@@ -214,17 +219,27 @@ def _apply_weights(engine: CheckpointEngine, ckpt: ShardedCheckpoint, load_optim
         if master is None:
             state.assign_shard(weights)  # re-quantized when stored quantized (zero/quantized.py)
             continue
-        master.data.copy_(weights)
-        copy_cast(state.shard, master.data)  # as the optimizer's write-back casts it
+        if swapper is None:
+            master.data.copy_(weights)
+            weights = master.data
+        else:
+            weights = weights.to(torch.float32)
+        copy_cast(state.shard, weights)  # as the optimizer's write-back casts it
         optimizer.mark_master_current(state)  # an edit made before the load is gone
+        placed = None
         if load_optim:
             saved = ckpt.resharded_optimizer_state(name, state.world_size, state.rank)
             group = group_of[id(master)]
             placed = {k: _place_state(k, v, master, group) for k, v in saved.items()}
+        if swapper is not None:
+            swapper.stage(master, weights, placed)  # `placed` keeps swapped-out stand-ins
+        if load_optim:
             if placed:
                 optimizer.optimizer.state[master] = placed
             else:
                 optimizer.optimizer.state.pop(master, None)
+    if swapper is not None:
+        swapper.finish_staged()
     if load_optim:
         _finish_optimizer_load(optimizer.optimizer)
 

@@ -343,20 +343,24 @@ def _flat_optimizer_groups(engine: CheckpointEngine, entries: list, rank0: bool)
     torch_state = opt.optimizer.state
     masters = {name: opt.masters[s.ds_id] for name, s, meta in entries if meta.has_master}
     partition = {name: meta.partition_size for name, _, meta in entries}
+    # NVMe: the copies go to scratch files, read from the swap files a group at a time
+    # (nvme_optimizer.py's [Note: checkpoints of swapped state]).
+    swapper = getattr(opt, "swapper", None)
+    flatten = _flatten if swapper is None or swapper.is_resident else swapper.flatten
     flats, flat_state, shards, sharded, replicated = [], {}, {}, {}, {}
     for g, names in enumerate(_checkpoint_groups(engine, entries)):
         # One flat fp32 tensor per group, per-name views into it.
-        flat = _flatten([masters[n].detach() for n in names], torch.float32)
+        flat = flatten([masters[n] for n in names], torch.float32)
         flats.append(flat)
         shards.update(_views(flat, names, partition))
         states = {n: torch_state.get(masters[n], {}) for n in names}
         cut = {n: split_optimizer_state(states[n], partition[n]) for n in names}
         keys = set.intersection(*(set(cut[n][0]) for n in names)) if names else set()
-        flat_state[g] = {k: _flatten([cut[n][0][k] for n in names], None) for k in sorted(keys)}
+        flat_state[g] = {k: flatten([cut[n][0][k] for n in names], None) for k in sorted(keys)}
         views = {key: _views(flat_value, names, partition) for key, flat_value in flat_state[g].items()}
         for n in names:
             # A key only some of the group's parameters have stays per parameter.
-            sharded[n] = {k: v.detach().clone() for k, v in cut[n][0].items() if k not in keys}
+            sharded[n] = {k: flatten([v], None) for k, v in cut[n][0].items() if k not in keys}
             sharded[n].update({key: views[key][n] for key in keys})
             if rank0:
                 replicated[n] = clone_tensors_for_torch_save(cut[n][1])

@@ -204,6 +204,43 @@ class TestNvmeCheckpoints(DistributedTest):
             round_trip(tmp_path / f"stage{stage}", stage)
 
 
+def _mapped_from(tensor, marker: str) -> bool:
+    """Whether `tensor`'s memory lies in a mapping of a file whose name holds `marker`."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return len(fields) > 5 and marker in fields[5]
+    return False
+
+
+class streamed:
+    """A save or load of `engine` in which reading every swapped tensor into memory raises: a
+    checkpoint of swapped state goes a group at a time, its copies in scratch files."""
+
+    def __init__(self, engine):
+        self.swapper, self.copies = engine.optimizer.swapper, []
+
+    def __enter__(self):
+        def refuse():
+            raise AssertionError("a checkpoint read every swapped tensor into memory (resident())")
+
+        made = self.swapper.store.scratch_tensor
+
+        def recording(numel, dtype):
+            tensor = made(numel, dtype)
+            self.copies.append(_mapped_from(tensor, "scratch-"))
+            return tensor
+
+        self.swapper.resident, self.swapper.store.scratch_tensor = refuse, recording
+        return self
+
+    def __exit__(self, *exc):
+        del self.swapper.resident, self.swapper.store.scratch_tensor
+
+
 def round_trip(tmp_path, stage):
     data = batches(3)
     reference = build(stage, "cpu")
@@ -215,7 +252,9 @@ def round_trip(tmp_path, stage):
     # Upstream's queries: the step runs on the CPU, though the state is not in CPU memory.
     assert first.zero_use_cpu_optimizer() and not first.zero_cpu_offload()
     losses = train(first, data[:1])
-    first.save_checkpoint(str(ckpt), tag="one")
+    with streamed(first) as save:
+        first.save_checkpoint(str(ckpt), tag="one")
+    assert save.copies and all(save.copies), "the flat copies are not file-backed"
     assert not list(ckpt.rglob("*.swp")), "swap files are scratch, never part of a checkpoint"
     assert all(first.optimizer.swapper.holds(m) for m in first.optimizer.masters.values())
     second = build(stage, "cpu")
@@ -224,7 +263,8 @@ def round_trip(tmp_path, stage):
     second.save_checkpoint(str(ckpt), tag="two")
     (nvme / "b").mkdir(exist_ok=True)
     third = build(stage, "nvme", nvme / "b", pipeline=(True, False))
-    third.load_checkpoint(str(ckpt), tag="two")
+    with streamed(third):
+        third.load_checkpoint(str(ckpt), tag="two")
     assert all(third.optimizer.swapper.holds(m) for m in third.optimizer.masters.values())
     losses += train(third, data[2:])
     assert losses == expected, f"{losses} vs {expected}"
@@ -407,3 +447,25 @@ def test_a_swapped_out_state_keeps_no_memory_even_as_a_view(tmp_path, pipeline):
                 assert torch.equal(opt.state[m]["momentum"], ref.state[p]["momentum"])
     finally:
         swapper.close()
+
+
+def test_scratch_tensor_is_a_reserved_unlinked_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    store = SwapStore(tmp_path, "optimizer", AioSettings())
+    try:
+        t = store.scratch_tensor(3000, torch.float32)
+        t.copy_(torch.arange(3000.0))
+        assert _mapped_from(t, "scratch-") and t.sum().item() == sum(range(3000))
+        assert not list(store.folder.iterdir()), "the scratch file is unlinked at once"
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        with pytest.raises(SwapSpaceError, match=r"needs 4000 more bytes under"):
+            store.scratch_tensor(1000, torch.float32)
+        assert not list(store.folder.iterdir())
+    finally:
+        store.close()

@@ -174,7 +174,8 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
 
         torch's load leaves the state_dict's own tensors (or casts of them) as the states;
         those are ordinary allocations, so each large one is copied into a buffer from
-        `huge_page_zeros`, as `_init_state` would have made it. Small ones stay as loaded.
+        `huge_page_zeros`, as `_init_state` would have made it. Small ones stay as loaded, and
+        so do non-contiguous ones (a swapped-out state is a stride-0 stand-in for its file).
         """
         if not huge_pages_available():
             return
@@ -184,6 +185,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
                 if (
                     isinstance(value, torch.Tensor)
                     and value.device.type == "cpu"
+                    and value.is_contiguous()  # not a stand-in (NVMe's swapped-out state: stride 0)
                     and value.numel() * value.element_size() >= HUGE_PAGE_BYTES
                 ):
                     state[key] = huge_page_zeros(value.shape, value.dtype).copy_(value)

@@ -21,6 +21,7 @@ import errno
 import os
 import shutil
 import socket
+import tempfile
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -173,6 +174,26 @@ class SwapStore:
             raise self._space_error(total, free)
         for key, nbytes in sizes.items():
             self.reserve(key, nbytes)
+
+    def scratch_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor whose memory is a file here rather than RAM (its pages are page cache:
+        written out and dropped under memory pressure), for copies larger than memory, such as
+        a checkpoint's flat optimizer state. The file is reserved whole first, so a full disk
+        is a SwapSpaceError naming the bytes, never a SIGBUS on a page that had no room, and it
+        is unlinked at once: nothing is left behind, however the process ends."""
+        nbytes = max(numel * dtype.itemsize, 1)
+        fd, path = tempfile.mkstemp(prefix="scratch-", suffix=".swp", dir=self.folder)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EFBIG):
+                    raise self._space_error(nbytes, shutil.disk_usage(self.folder).free) from e
+                raise
+            return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        finally:
+            os.close(fd)
+            os.remove(path)
 
     def reserved_bytes(self) -> int:
         return sum(self._capacity.values())

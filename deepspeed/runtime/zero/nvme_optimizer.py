@@ -37,6 +37,15 @@ Torch optimizers create their state in their first step, but files are reserved 
 state tensors the optimizer keeps is learnt by stepping a copy of it (its class and the first
 group's hyperparameters) once on a small probe tensor: every state entry shaped like the
 probe is swapped; anything else (a step count, a factored second moment) stays in memory.
+
+[Note: checkpoints of swapped state]
+A checkpoint of a model that needs NVMe must not need the memory the NVMe saved. Saving, the
+flat fp32 masters and flat state the checkpoint file holds (save.py) are made by `flatten`
+in scratch files mapped into memory (`SwapStore.scratch_tensor`): their pages are page
+cache, which the kernel writes out and drops as it needs, and each swap file is read once
+into one pool buffer. Loading, the checkpoint file is itself mapped (safe_load.py), and
+`stage` takes each master's loaded values and swapped state, writing a group's files once
+all of its masters are staged: no step of either holds the state in anonymous memory.
 """
 
 from __future__ import annotations
@@ -150,6 +159,8 @@ class OptimizerSwapper:
             for dtype in set(self.kinds.values())
         }
         self._resident_depth = 0
+        self._staged: dict = {}  # group index -> {id(master): {kind: values}} loaded, not yet written
+        self._group_index: Optional[dict] = None  # id(master) -> its group, made when first asked
         self._initial_value = initial_value or (lambda master: master.data)
         self.store = SwapStore(offload.nvme_path, name, aio)
         try:
@@ -328,6 +339,94 @@ class OptimizerSwapper:
             return  # nothing queued: the first group, or serial writes
         self.store.wait_writes()
         self._give_back(group)
+
+    # ---- checkpoints, a group at a time ([Note: checkpoints of swapped state]) -----------------
+    def _locations(self) -> dict:
+        """id(master or swapped state tensor) -> (its group, kind, index in the group)."""
+        out = {}
+        for group in self.groups:
+            for i, master in enumerate(group.masters):
+                out[id(master)] = (group, _MASTER, i)
+                per = self.optimizer.state.get(master, {})
+                for kind in self.kinds:
+                    value = per.get(kind)
+                    if kind != _MASTER and torch.is_tensor(value):
+                        out[id(value)] = (group, kind, i)
+        return out
+
+    def flatten(self, tensors: list, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """`tensors` (this optimizer's masters and state tensors, swapped out or not, or any
+        other tensor) one after another in a new 1D tensor of `dtype` (the first one's when
+        None) whose memory is a scratch file, not RAM. Each file a swapped one lives in is
+        read once, through one pool buffer."""
+        dtype = dtype or (tensors[0].dtype if tensors else torch.float32)
+        out = self.store.scratch_tensor(sum(t.numel() for t in tensors), dtype)
+        where = self._locations()
+        reads: dict = {}  # (group index, kind) -> (group, kind, [(start in out, index in group, numel)])
+        at = 0
+        for tensor in tensors:
+            n, place = tensor.numel(), where.get(id(tensor))
+            if place is not None and self.holds(tensor):
+                group, kind, i = place
+                reads.setdefault((group.index, kind), (group, kind, []))[2].append((at, i, n))
+            else:
+                out[at : at + n].copy_(tensor.detach().reshape(-1))
+            at += n
+        for key in sorted(reads):
+            group, kind, places = reads[key]
+            index, buffer = self.pool.acquire(group.nbytes[kind])
+            try:
+                self.store.read(group.key(kind), buffer[: io_size(group.nbytes[kind])])
+                typed = self.kinds[kind]
+                for start, i, n in places:
+                    offset = group.offsets[kind][i]
+                    out[start : start + n].copy_(buffer[offset : offset + n * typed.itemsize].view(typed))
+            finally:
+                self.pool.release(index)
+        return out
+
+    def stage(self, master: nn.Parameter, values: torch.Tensor, state: Optional[dict]) -> None:
+        """Loading: `values` become `master`'s, and every swapped kind in `state` (the master's
+        new optimizer state, to be placed in `optimizer.state`) its state's, in their files;
+        those entries of `state` are replaced by swapped-out tensors. A group's files are
+        written once every master in it is staged, the rest at `finish_staged()`."""
+        group = self._group_of(master)
+        staged = {_MASTER: values}
+        for kind in self.kinds:
+            value = None if state is None else state.get(kind)
+            if kind != _MASTER and torch.is_tensor(value) and value.numel() == master.numel():
+                staged[kind] = value
+                state[kind] = _swapped_out(self._sentinels[self.kinds[kind]], master.shape)
+        pending = self._staged.setdefault(group.index, {})
+        pending[id(master)] = staged
+        if len(pending) == len(group.masters):
+            self._write_staged(group)
+
+    def finish_staged(self) -> None:
+        for index in sorted(self._staged):
+            self._write_staged(self.groups[index])
+
+    def _group_of(self, master: nn.Parameter) -> _Group:
+        if self._group_index is None:
+            self._group_index = {id(m): g for g in self.groups for m in g.masters}
+        return self._group_index[id(master)]
+
+    @torch.no_grad()
+    def _write_staged(self, group: _Group) -> None:
+        staged = self._staged.pop(group.index)
+        self._issue_read(group, async_op=False)  # what is not staged keeps its file's values
+        try:
+            for kind in self.kinds:
+                for master, view in zip(group.masters, self._views(group, kind)):
+                    value = staged.get(id(master), {}).get(kind)
+                    if value is not None:
+                        view.copy_(value.reshape(view.shape))
+                        group.written.add(kind)
+            for kind in group.written:
+                _, buffer = group.buffers[kind]
+                self.store.write(group.key(kind), buffer[: io_size(group.nbytes[kind])])
+        finally:
+            self._give_back(group)
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
