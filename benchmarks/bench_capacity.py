@@ -71,7 +71,7 @@ def param_count(width: int, layers: int, seq: int = 16, vocab: int = 512) -> int
     return vocab * width + seq * width + layers * per_block + 2 * width + width * vocab
 
 
-def ds_config(mode: str, width: int, swap_dir: str) -> dict:
+def ds_config(mode: str, width: int, swap_dir: str, param_buffers: int = 4) -> dict:
     """Stage 3, fp32, AdamW (DeepSpeedCPUAdam), parameters and optimizer offloaded to `mode`."""
     biggest = 4 * width * width  # the MLP's weights: the largest partition at 1 rank
     zero: dict = {
@@ -87,7 +87,7 @@ def ds_config(mode: str, width: int, swap_dir: str) -> dict:
         zero["offload_param"] = {
             "device": "nvme",
             "nvme_path": swap_dir,
-            "buffer_count": 4,
+            "buffer_count": param_buffers,
             "buffer_size": biggest,
             "max_in_cpu": 13 * width * width,  # about one block's partitions
         }
@@ -138,7 +138,7 @@ def worker(args) -> None:
 
     spec = decoder_spec(args.width, args.layers, args.seq)
     spec.update(heads=max(1, args.width // 128), batch=1)
-    cfg = ds_config(args.mode, args.width, args.swap_dir)
+    cfg = ds_config(args.mode, args.width, args.swap_dir, args.param_buffers)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     start = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=cfg):  # partitions leave as each module is built
@@ -190,6 +190,12 @@ def worker(args) -> None:
         "deepspeed_file": deepspeed.__file__,
     }
     print(MARK, json.dumps(report), flush=True)
+    if args.impl == "upstream":
+        # Upstream 0.19.8 with NVMe aborts in its interpreter teardown ("terminate called
+        # without an active exception": its async_io handle's threads), after the report is
+        # out; leave without the teardown so the exit status says how the probe went.
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # ----------------------------------------------------------------------------- the cap
@@ -239,7 +245,7 @@ class MemoryGroup:
 
 
 def worker_command(
-    impl: str, mode: str, layers: int, width: int, seq: int, steps: int, swap_dir: str
+    impl: str, mode: str, layers: int, width: int, seq: int, steps: int, swap_dir: str, param_buffers: int = 4
 ) -> tuple:
     """`(argv, env)` of one worker: this checkout's package (ours) or upstream's venv."""
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -252,7 +258,8 @@ def worker_command(
         env["PYTHONPATH"] = str(HERE.parent)
     else:
         raise ValueError(f"--impl {impl!r}; use 'ours' or 'upstream'")
-    argv = [python, str(Path(__file__).resolve()), "--worker", "--mode", mode]
+    argv = [python, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--mode", mode]
+    argv += ["--param-buffers", str(param_buffers)]
     argv += ["--layers", str(layers), "--width", str(width), "--seq", str(seq)]
     argv += ["--steps", str(steps), "--swap-dir", swap_dir]
     return argv, env
@@ -280,7 +287,9 @@ def run_probe(mode: str, layers: int, cap: int, opts) -> dict:
     from _launch import free_port
 
     swap_dir = tempfile.mkdtemp(prefix="ds_capacity_", dir=opts.dir)
-    argv, env = worker_command(opts.impl, mode, layers, opts.width, opts.seq, opts.steps, swap_dir)
+    argv, env = worker_command(
+        opts.impl, mode, layers, opts.width, opts.seq, opts.steps, swap_dir, opts.param_buffers
+    )
     if opts.checkpoint:  # inside the swap folder: removed with it
         argv += ["--checkpoint-dir", os.path.join(swap_dir, "checkpoint")]
     env["MASTER_PORT"] = str(free_port())
@@ -288,6 +297,7 @@ def run_probe(mode: str, layers: int, cap: int, opts) -> dict:
         for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
             env.setdefault(key, str(opts.mmap_threshold))
     record: dict = {"impl": opts.impl, "mode": mode, "layers": layers, "width": opts.width, "cap_bytes": cap}
+    record["param_buffers"] = opts.param_buffers
     record["params"] = param_count(opts.width, layers, opts.seq)
     record["load_before"] = os.getloadavg()
     group: Optional[MemoryGroup] = None
@@ -425,6 +435,13 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--modes", default="cpu,nvme")
     parser.add_argument("--impl", default="ours", choices=("ours", "upstream"))
+    parser.add_argument(
+        "--param-buffers",
+        type=int,
+        default=4,
+        help="offload_param.buffer_count (NVMe): ours copies a partition out of its buffer; upstream "
+        "0.19.8 computes from its buffers and asserts 'Not enough buffers' below what a step holds",
+    )
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
