@@ -590,7 +590,8 @@ def main(argv=None) -> int:
         for name in runners:
             if name not in only:
                 report[name] = kept.get(name)
-                section_dates[name] = kept_dates.get(name, kept.get("first_run_date", kept.get("date")))
+                if report[name] is not None:  # a section never measured has no date
+                    section_dates[name] = kept_dates.get(name, kept.get("first_run_date", kept.get("date")))
     with tempfile.TemporaryDirectory(prefix="bench_all_") as tmp:
         chosen = [name for name in runners if name in only]  # the order of the report
         with progress_bar(len(chosen), "Benchmarks", unit="section", quiet=opts.quiet) as bar:

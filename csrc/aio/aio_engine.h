@@ -168,6 +168,7 @@ class Engine {
   bool take_runs(Lane& lane, std::deque<Run>* into, bool idle, size_t most);
   void run_chunks(const Run& run);
   void open_file(Op& op);
+  void lay_out(const Op& op);  // [Note: a write that would extend its file is laid out first]
   std::vector<Run> split(const std::shared_ptr<Op>& op) const;
 
   Backend backend_ = Backend::kThreadPool;

@@ -290,6 +290,30 @@ def test_errors_during_the_transfer_name_the_path_offset_and_errno(aio, backend,
     assert e.errno == errno.ENOTDIR and f"'{not_a_dir / 'x.bin'}'" in str(e) and "cannot open" in str(e)
 
 
+def test_a_write_past_the_end_is_laid_out_before_any_chunk_goes(aio, backend, tmp_path):
+    """The range a write extends its file by is allocated first (csrc/aio/aio_engine.cpp's note:
+    an extending O_DIRECT write is serialised per file): so a write that cannot have its room
+    fails before it writes anything, here past a 64 KiB file-size limit (RLIMIT_FSIZE)."""
+    import resource
+    import signal
+
+    h = handle(aio, backend, 4096, 4, False, False, 2)
+    path = tmp_path / "limited.bin"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limit[1]))
+    try:
+        e = _failure(h, h.sync_pwrite, random_bytes(32 * 4096), str(path))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert e.errno == errno.EFBIG and "cannot reserve room for the write" in str(e) and str(path) in str(e)
+    assert path.stat().st_size == 0, "chunks were written before the write's room was known"
+    data = random_bytes(32 * 4096, seed=3)  # with room, the same write lands whole
+    h.sync_pwrite(data, str(path))
+    assert path.stat().st_size == 32 * 4096 and torch.equal(file_bytes(path), data)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores a directory's permissions")
 def test_read_only_directory_names_the_path(aio, backend, tmp_path):
     h = handle(aio, backend)
