@@ -280,14 +280,19 @@ def round_trip(tmp_path, stage):
         got = safe_get_full_optimizer_state(param, "exp_avg_sq")
         assert torch.equal(got, safe_get_full_optimizer_state(ref, "exp_avg_sq"))
     assert all(third.optimizer.swapper.holds(m) for m in third.optimizer.masters.values())
-    # The optimizer's own state_dict is a copy taken while the state was read in.
-    sd = third.optimizer.state_dict()["optimizer"]["state"]
-    assert all(
-        not torch.isnan(v).any()
-        for per in sd.values()
-        for v in per.values()
-        if torch.is_tensor(v) and v.dim() > 0
-    )
+    # The optimizer's own state_dict is a copy, the swapped tensors' in scratch files, taken
+    # without reading the whole state in; it equals CPU offload's and stays as it was.
+    with streamed(third) as copies:
+        sd = third.optimizer.state_dict()["optimizer"]["state"]
+    assert copies.copies and all(copies.copies)
+    expected_sd = reference.optimizer.state_dict()["optimizer"]["state"]
+    assert sd.keys() == expected_sd.keys()
+    for key, per in sd.items():
+        for name, value in per.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(expected_sd[key][name])), (key, name)
+    kept = {key: per["exp_avg"].clone() for key, per in sd.items()}
+    train(third, data[:1])
+    assert all(torch.equal(sd[key]["exp_avg"], kept[key]) for key in kept), "the copy moved with a step"
 
 
 class TestNvmeSetupFailures(DistributedTest):

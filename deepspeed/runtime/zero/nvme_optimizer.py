@@ -46,6 +46,7 @@ cache, which the kernel writes out and drops as it needs, and each swap file is 
 into one pool buffer. Loading, the checkpoint file is itself mapped (safe_load.py), and
 `stage` takes each master's loaded values and swapped state, writing a group's files once
 all of its masters are staged: no step of either holds the state in anonymous memory.
+`engine.optimizer.state_dict()` returns its copies of swapped state the same way (`copy_state`).
 """
 
 from __future__ import annotations
@@ -383,6 +384,28 @@ class OptimizerSwapper:
                     out[start : start + n].copy_(buffer[offset : offset + n * typed.itemsize].view(typed))
             finally:
                 self.pool.release(index)
+        return out
+
+    def copy_state(self, state: dict) -> dict:
+        """`state` (an optimizer `state_dict()`'s, naming this optimizer's state tensors) with
+        every tensor copied: the swapped ones into one scratch-file-backed flat per dtype
+        (`flatten`), the others cloned, so the copy neither changes with later steps nor
+        needs the state's memory."""
+        swapped: dict = {}  # dtype -> [(key, name, tensor)]
+        out = {key: dict(per) for key, per in state.items()}
+        for key, per in out.items():
+            for name, value in per.items():
+                if not torch.is_tensor(value):
+                    continue
+                if self.holds(value):
+                    swapped.setdefault(value.dtype, []).append((key, name, value))
+                else:
+                    per[name] = value.clone()
+        for dtype, entries in swapped.items():
+            flat, at = self.flatten([value for _, _, value in entries], dtype), 0
+            for key, name, value in entries:
+                out[key][name] = flat[at : at + value.numel()].view(value.shape)
+                at += value.numel()
         return out
 
     def stage(self, master: nn.Parameter, values: torch.Tensor, state: Optional[dict]) -> None:

@@ -713,13 +713,9 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         return torch.tensor(norm, dtype=torch.float32)
 
     def state_dict(self) -> dict:
-        with self.resident():
-            inner = self.optimizer.state_dict()
-            if self.swapper is not None:  # copies: the swapped tensors leave memory after the block
-                inner["state"] = {
-                    k: {n: v.clone() if torch.is_tensor(v) else v for n, v in per.items()}
-                    for k, per in inner["state"].items()
-                }
+        inner = self.optimizer.state_dict()
+        if self.swapper is not None:  # copies, in scratch files (nvme_optimizer.py's checkpoint note)
+            inner["state"] = self.swapper.copy_state(inner["state"])
         return {
             "optimizer": inner,
             "loss_scaler": self.loss_scaler.state_dict(),
