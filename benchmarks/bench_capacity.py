@@ -72,7 +72,8 @@ def param_count(width: int, layers: int, seq: int = 16, vocab: int = 512) -> int
 
 
 def ds_config(mode: str, width: int, swap_dir: str, param_buffers: int = 4) -> dict:
-    """Stage 3, fp32, AdamW (DeepSpeedCPUAdam), parameters and optimizer offloaded to `mode`."""
+    """Stage 3, fp32, AdamW (DeepSpeedCPUAdam), parameters and optimizer offloaded to `mode`
+    ("cpu", "nvme", or "nvme_optimizer": the optimizer to NVMe, the parameters to the CPU)."""
     biggest = 4 * width * width  # the MLP's weights: the largest partition at 1 rank
     zero: dict = {
         "stage": 3,
@@ -83,6 +84,8 @@ def ds_config(mode: str, width: int, swap_dir: str, param_buffers: int = 4) -> d
         "offload_param": {"device": "cpu"},
         "offload_optimizer": {"device": "cpu"},
     }
+    if mode not in ("cpu", "nvme", "nvme_optimizer"):
+        raise ValueError(f"mode={mode!r}; use 'cpu', 'nvme' or 'nvme_optimizer'")
     if mode == "nvme":
         zero["offload_param"] = {
             "device": "nvme",
@@ -91,6 +94,7 @@ def ds_config(mode: str, width: int, swap_dir: str, param_buffers: int = 4) -> d
             "buffer_size": biggest,
             "max_in_cpu": 13 * width * width,  # about one block's partitions
         }
+    if mode in ("nvme", "nvme_optimizer"):  # nvme_optimizer: parameters stay on the CPU
         zero["offload_optimizer"] = {
             "device": "nvme",
             "nvme_path": swap_dir,
@@ -99,8 +103,6 @@ def ds_config(mode: str, width: int, swap_dir: str, param_buffers: int = 4) -> d
             "pipeline_write": True,
         }
         zero["sub_group_size"] = biggest  # 9 buffers x 4 bytes x this: 0.6 GB at width 2048
-    elif mode != "cpu":
-        raise ValueError(f"mode={mode!r}; use 'cpu' or 'nvme'")
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
