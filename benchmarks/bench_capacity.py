@@ -71,7 +71,9 @@ def param_count(width: int, layers: int, seq: int = 16, vocab: int = 512) -> int
     return vocab * width + seq * width + layers * per_block + 2 * width + width * vocab
 
 
-def ds_config(mode: str, width: int, swap_dir: str, param_buffers: int = 4) -> dict:
+def ds_config(
+    mode: str, width: int, swap_dir: str, param_buffers: int = 4, optimizer_buffers: int = 9
+) -> dict:
     """Stage 3, fp32, AdamW (DeepSpeedCPUAdam), parameters and optimizer offloaded to `mode`
     ("cpu", "nvme", or "nvme_optimizer": the optimizer to NVMe, the parameters to the CPU)."""
     biggest = 4 * width * width  # the MLP's weights: the largest partition at 1 rank
@@ -98,7 +100,7 @@ def ds_config(mode: str, width: int, swap_dir: str, param_buffers: int = 4) -> d
         zero["offload_optimizer"] = {
             "device": "nvme",
             "nvme_path": swap_dir,
-            "buffer_count": 9,
+            "buffer_count": optimizer_buffers,
             "pipeline_read": True,
             "pipeline_write": True,
         }
@@ -140,7 +142,7 @@ def worker(args) -> None:
 
     spec = decoder_spec(args.width, args.layers, args.seq)
     spec.update(heads=max(1, args.width // 128), batch=1)
-    cfg = ds_config(args.mode, args.width, args.swap_dir, args.param_buffers)
+    cfg = ds_config(args.mode, args.width, args.swap_dir, args.param_buffers, args.optimizer_buffers)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     start = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=cfg):  # partitions leave as each module is built
@@ -247,7 +249,15 @@ class MemoryGroup:
 
 
 def worker_command(
-    impl: str, mode: str, layers: int, width: int, seq: int, steps: int, swap_dir: str, param_buffers: int = 4
+    impl: str,
+    mode: str,
+    layers: int,
+    width: int,
+    seq: int,
+    steps: int,
+    swap_dir: str,
+    param_buffers: int = 4,
+    optimizer_buffers: int = 9,
 ) -> tuple:
     """`(argv, env)` of one worker: this checkout's package (ours) or upstream's venv."""
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -261,7 +271,7 @@ def worker_command(
     else:
         raise ValueError(f"--impl {impl!r}; use 'ours' or 'upstream'")
     argv = [python, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--mode", mode]
-    argv += ["--param-buffers", str(param_buffers)]
+    argv += ["--param-buffers", str(param_buffers), "--optimizer-buffers", str(optimizer_buffers)]
     argv += ["--layers", str(layers), "--width", str(width), "--seq", str(seq)]
     argv += ["--steps", str(steps), "--swap-dir", swap_dir]
     return argv, env
@@ -290,7 +300,15 @@ def run_probe(mode: str, layers: int, cap: int, opts) -> dict:
 
     swap_dir = tempfile.mkdtemp(prefix="ds_capacity_", dir=opts.dir)
     argv, env = worker_command(
-        opts.impl, mode, layers, opts.width, opts.seq, opts.steps, swap_dir, opts.param_buffers
+        opts.impl,
+        mode,
+        layers,
+        opts.width,
+        opts.seq,
+        opts.steps,
+        swap_dir,
+        opts.param_buffers,
+        opts.optimizer_buffers,
     )
     if opts.checkpoint:  # inside the swap folder: removed with it
         argv += ["--checkpoint-dir", os.path.join(swap_dir, "checkpoint")]
@@ -299,7 +317,7 @@ def run_probe(mode: str, layers: int, cap: int, opts) -> dict:
         for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
             env.setdefault(key, str(opts.mmap_threshold))
     record: dict = {"impl": opts.impl, "mode": mode, "layers": layers, "width": opts.width, "cap_bytes": cap}
-    record["param_buffers"] = opts.param_buffers
+    record["param_buffers"], record["optimizer_buffers"] = opts.param_buffers, opts.optimizer_buffers
     record["params"] = param_count(opts.width, layers, opts.seq)
     record["load_before"] = os.getloadavg()
     group: Optional[MemoryGroup] = None
@@ -443,6 +461,13 @@ def main(argv=None) -> dict:
         default=4,
         help="offload_param.buffer_count (NVMe): ours copies a partition out of its buffer; upstream "
         "0.19.8 computes from its buffers and asserts 'Not enough buffers' below what a step holds",
+    )
+    parser.add_argument(
+        "--optimizer-buffers",
+        type=int,
+        default=9,
+        help="offload_optimizer.buffer_count (NVMe): 9 is what ours needs for AdamW with both pipelines; "
+        "upstream 0.19.8's pipelined swapper asserts it 'ran out of swap buffers' with 9 on this model",
     )
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=16)
