@@ -154,11 +154,12 @@ def run_nvme_optimizer(opts, log_dir: Path) -> dict:
 
 def run_capacity(opts, log_dir: Path) -> dict:
     """bench_capacity.py: the largest decoder trained under the memory cap (--quick: width 256,
-    2 layers, a 1.5 GiB cap, one probe per mode), swap files in this run's temporary folder."""
+    2 layers, a 1.5 GiB cap, one probe per mode, each also saving, loading and resuming a
+    checkpoint), swap files in this run's temporary folder."""
     began = _section("capacity: the largest decoder trained under a memory cap, cpu vs nvme offload")
     if opts.quick:
         argv = ["--cap-gib", "1.5", "--width", "256", "--start-layers", "cpu=2,nvme=2", "--max-probes", "1"]
-        argv += ["--reference-gib", "3", "--steps", "2"]
+        argv += ["--reference-gib", "3", "--steps", "2", "--checkpoint"]  # save, load, resume under the cap
     else:
         argv = ["--cap-gib", "8", "--start-layers", "nvme=22,cpu=4", "--max-probes", "3", "--steps", "2"]
         argv += ["--budget-s", "1800", "--modes", "nvme,cpu"]

@@ -430,7 +430,8 @@ def test_capacity_search_doubles_then_bisects():
 @pytest.mark.timeout(400)
 def test_run_all_quick_capacity(tmp_path):
     """The capacity section alone (width 256, 2 layers, a 1.5 GiB cgroup): cpu and nvme offload
-    fit, NVMe holds 16 B/param on disk, and the capped run's losses equal the reference's."""
+    fit, NVMe holds 16 B/param on disk, the capped run's losses equal the reference's, and
+    each probe's checkpoint resumes to the same loss inside the cap."""
     reason = _bench_capacity().cgroup_unavailable_reason()
     if reason:
         pytest.skip(f"needs a writable cgroup-v1 memory controller for its cap: {reason}")
@@ -446,6 +447,8 @@ def test_run_all_quick_capacity(tmp_path):
     # Every partition and the masters + Adam states, fp32, each file rounded up to 4096 bytes.
     assert 16 * probes["nvme"]["params"] <= c["nvme_disk_bytes"] < 16 * probes["nvme"]["params"] * 1.1
     assert probes["nvme"]["losses"] == probes["cpu"]["losses"]  # the same math either way
+    for p in probes.values():  # a checkpoint saved, loaded and resumed inside the cap
+        assert p["checkpoint"]["equal"] and p["checkpoint"]["bytes"] > 12 * p["params"], p["checkpoint"]
     assert c["reference"]["fits"] and c["losses_equal"]
     assert not [p["cgroup"] for p in c["probes"] + [c["reference"]] if Path(p["cgroup"]).exists()]
     assert "Capacity: the largest decoder trained under a memory cap" in (tmp_path / "latest.md").read_text()
