@@ -250,14 +250,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    cfg = {
+def run_config(args: argparse.Namespace) -> dict:
+    """What the rank workers take from the parsed arguments (this file's and bench_gather_layouts')."""
+    return {
         "counts": [int(c) for c in args.params.split(",") if c.strip()],
         "total_elems": int(args.total_mb * 2**20 / 4),
         "reps": args.reps,
         "warmup": args.warmup,
     }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = run_config(args)
     results = _launch.run_ranks(rank_worker, args.world_size, args=(cfg,))[0]
     print(format_table(results, args.world_size))
     if args.json:

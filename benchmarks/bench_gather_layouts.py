@@ -42,7 +42,7 @@ from deepspeed.comm import shm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _launch  # noqa: E402 - the benchmarks folder is not a package
-from bench_gather import ParamBank, interleaved_medians, param_shapes  # noqa: E402
+from bench_gather import ParamBank, interleaved_medians, param_shapes, run_config  # noqa: E402
 
 VARIANTS = (
     "raw",
@@ -123,12 +123,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.total_mb, args.reps, args.warmup = 0.25, 3, 1
-    cfg = {
-        "counts": [int(c) for c in args.params.split(",") if c.strip()],
-        "total_elems": int(args.total_mb * 2**20 / 4),
-        "reps": args.reps,
-        "warmup": args.warmup,
-    }
+    cfg = run_config(args)
     results = _launch.run_ranks(rank_worker, args.world_size, args=(cfg,))[0]
     print(
         f"all-gather layouts, {args.world_size} gloo CPU ranks, ms (x raw), median of per-repetition max over ranks"

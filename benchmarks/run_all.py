@@ -174,12 +174,7 @@ def run_capacity(opts, log_dir: Path) -> dict:
 def run_gather(opts) -> dict:
     began = _section("gather")
     gargs = bench_gather.parse_args(["--quick"] if opts.quick else ["--reps", "200"])
-    cfg = {
-        "counts": [int(c) for c in gargs.params.split(",")],
-        "total_elems": int(gargs.total_mb * 2**20 / 4),
-        "reps": gargs.reps,
-        "warmup": gargs.warmup,
-    }
+    cfg = bench_gather.run_config(gargs)
     ours = _launch.run_ranks(bench_gather.rank_worker, gargs.world_size, args=(cfg,))[0]
     print(bench_gather.format_table(ours, gargs.world_size))
     upstream = None if opts.skip_upstream else gather_upstream(cfg, gargs.world_size, opts.upstream_python)
