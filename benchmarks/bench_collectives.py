@@ -17,6 +17,9 @@ the figure is the median over repetitions:
   all_to_all_sum        torch.distributed.all_to_all_single, then the received rows added
   reduce_scatter_ours   deepspeed.comm.reduce_scatter_tensor (on one host: through shared
                         memory; DEEPSPEED_SHM_COMM=0: the all-to-all and sum)
+  all_to_all_native     torch.distributed.all_to_all_single (equal slices), what qgZ's two hops
+                        and Ulysses' sequence parallelism send
+  all_to_all_ours       deepspeed.comm.all_to_all_single (on one host: through shared memory)
 
 These are collective choices for CPU tensors on a gloo group; on nccl `deepspeed.comm` uses
 the native all-gather and reduce-scatter (see [Note: shared-memory collectives] in
@@ -48,6 +51,8 @@ VARIANTS = (
     "all_reduce",
     "all_to_all_sum",
     "reduce_scatter_ours",
+    "all_to_all_native",
+    "all_to_all_ours",
 )
 _ALL_GATHER = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
@@ -82,6 +87,8 @@ def _bodies(numel: int, world: int, rank: int) -> dict:
         "all_reduce": lambda: tdist.all_reduce(full),
         "all_to_all_sum": all_to_all_sum,
         "reduce_scatter_ours": lambda: dist.reduce_scatter_tensor(mine, full, scratch=received),
+        "all_to_all_native": lambda: tdist.all_to_all_single(received, full),
+        "all_to_all_ours": lambda: dist.all_to_all_single(received, full),
     }
 
 

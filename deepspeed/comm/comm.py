@@ -507,6 +507,11 @@ def all_to_all_single(
     if comms_logger.timing and comms_logger.idle:
         args = (output, input, output_split_sizes, input_split_sizes, group, async_op)
         return _timed(all_to_all_single, args, log_name, prof, group, _nbytes(input), async_op)
+    if shm.equal_slices(output, input, output_split_sizes, input_split_sizes, get_world_size(group)):
+        channel = _shm_channel(group, output, input)
+        if channel is not None:
+            channel.all_to_all(output, input)
+            return CommHandle()
     work = _dist.all_to_all_single(
         output,
         input,
@@ -571,7 +576,7 @@ def all_gather_into_tensor(
     nbytes = output_tensor.numel() * output_tensor.element_size()
     on_gloo = get_backend(group) == "gloo"
     if not on_gloo or nbytes < GLOO_BROADCAST_MIN_BYTES:
-        if on_gloo and _overlaps(input_tensor, output_tensor):
+        if on_gloo and shm.overlaps(input_tensor, output_tensor):
             input_tensor = input_tensor.clone()  # gloo copies the input into the output: no aliasing
         work = _ALL_GATHER_SINGLE(output_tensor, input_tensor, group=group, async_op=async_op)
         return _handle(work, async_op)
@@ -689,16 +694,6 @@ def reduce_scatter_columns(
             "pack the blocks and call reduce_scatter_tensor"
         )
     channel.reduce_scatter_columns(output_tensor, blocks, sizes, prescale)
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b` share memory (an in-place collective: the input is a slice of the output)."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    return (
-        a_start < b_start + b.numel() * b.element_size() and b_start < a_start + a.numel() * a.element_size()
-    )
 
 
 def reduce_scatter_tensor(

@@ -5,7 +5,7 @@ gloo sends every byte through a loopback TCP socket even when all ranks run on o
 Measured side by side (benchmarks/bench_collectives.py, 2 ranks, 2 cores): a 24 MB
 all-gather takes about 10 ms through gloo and 3.4 ms through a shared buffer. So on a gloo
 group whose ranks all map the same /dev/shm file, `deepspeed.comm` runs its
-all-gather, reduce-scatter (sum), all-reduce (sum), broadcast and barrier through a
+all-gather, reduce-scatter (sum), all-reduce (sum), all-to-all (equal slices), broadcast and barrier through a
 `ShmChannel` instead; `DEEPSPEED_SHM_COMM=0` turns it off, and everything else (nccl,
 groups spanning hosts, other ops and dtypes) keeps its gloo or nccl path.
 
@@ -84,7 +84,7 @@ SUMMABLE = {
 SUMMABLE = frozenset(SUMMABLE)  # read-only from here on
 
 
-_KINDS = ("barrier", "all_gather", "reduce_scatter", "all_reduce", "broadcast")
+_KINDS = ("barrier", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -297,6 +297,30 @@ class ShmChannel:
             at = self.rank * k
             self._sum_rows([slots[r, at : at + k] for r in range(world)], dst[start : start + k])
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Equal slices: slice `i` of `inp` (contiguous, `world` slices in flat order) goes to
+        rank `i`, and slice `r` of `out` comes from rank `r`. Laid out in the slot as a
+        reduce-scatter's ([world, k] destination-major); this rank's own slice never goes
+        through it."""
+        world, rank = self.world, self.rank
+        n = inp.numel() // world
+        self._count("all_to_all", inp.numel() * inp.element_size())
+        step = self.slot_bytes // inp.element_size() // world
+        src, dst, post = inp.reshape(world, n), out.view(world, n), _post("all_to_all", inp.dtype, n)
+        for start in _chunk_starts(n, step):
+            k = min(step, n - start)
+            slots = self._slots(inp.dtype)
+            mine = slots[rank, : world * k].view(world, k)
+            for r in range(world):
+                if r != rank:
+                    mine[r].copy_(src[r, start : start + k])
+            dst[rank, start : start + k].copy_(src[rank, start : start + k])
+            self._meet(post)
+            at = rank * k
+            for r in range(world):
+                if r != rank:
+                    dst[r, start : start + k].copy_(slots[r, at : at + k])
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """`tensor` (contiguous) becomes the sum over ranks, the same bits on every rank."""
         self._count("all_reduce", tensor.numel() * tensor.element_size())
@@ -481,6 +505,28 @@ class ColumnPlan:
             if a < b:
                 partial.append((slots[:, a - start : b - start], i, a - starts[i], b - starts[i]))
         return pieces, whole, partial
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` share memory (an in-place collective: the input is a slice of the output)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return (
+        a_start < b_start + b.numel() * b.element_size() and b_start < a_start + a.numel() * a.element_size()
+    )
+
+
+def equal_slices(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, world: int) -> bool:
+    """Whether an all-to-all moves equal slices the shared-memory channel can carry: one
+    dtype, no aliasing, `world` equal slices along dim 0 (no split sizes, or equal ones)."""
+    if world < 1 or out.dtype != inp.dtype or out.numel() != inp.numel() or inp.dim() == 0:
+        return False
+    rows = inp.shape[0]
+    if rows % world or out.shape[0] != rows or overlaps(inp, out):
+        return False
+    even = [rows // world] * world
+    return all(splits is None or list(splits) == even for splits in (out_splits, in_splits))
 
 
 def copy_columns(source: torch.Tensor, sizes: list, outputs: list, rows: Optional[list] = None) -> None:

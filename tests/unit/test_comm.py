@@ -225,6 +225,21 @@ class TestSharedMemoryCollectives(DistributedTest):
             sent = others[rank].clone()
             dist.broadcast(sent, src=size - 1, group=group)
             assert torch.equal(sent, others[size - 1]), ("broadcast", dtype, n)
+
+            # Slice i of rank r's input lands in slice r of rank i's output (rows of 2 here).
+            swapped = torch.empty(size * n, 2, dtype=dtype)
+            sends = [_values(r, size * n * 2, dtype).view(size * n, 2) for r in range(size)]
+            dist.all_to_all_single(swapped, sends[rank], group=group, async_op=True).wait()
+            expected = torch.cat([sends[r].view(size, n, 2)[rank] for r in range(size)])
+            assert torch.equal(swapped, expected), ("all-to-all", dtype, n)
+        # qgZ's payloads are int8; split sizes given, when equal, take the channel too.
+        payloads = [
+            torch.arange(size * 300, dtype=torch.int64).add(r * 7).remainder(251).to(torch.uint8)
+            for r in range(size)
+        ]
+        got = torch.empty(size * 300, dtype=torch.uint8)
+        dist.all_to_all_single(got, payloads[rank], [300] * size, [300] * size, group=group)
+        assert torch.equal(got, torch.cat([p[rank * 300 : (rank + 1) * 300] for p in payloads]))
         dist.barrier(group=group)
         calls = {kind: row[0] for kind, row in channel.counts.items()}
         assert calls == {
@@ -232,8 +247,15 @@ class TestSharedMemoryCollectives(DistributedTest):
             "reduce_scatter": len(cases),
             "all_reduce": len(cases),
             "broadcast": len(cases),
+            "all_to_all": len(cases) + 1,
             "barrier": 1,
         }, calls
+        if size > 1:  # unequal slices keep gloo's path, which the channel does not count
+            splits = [1 + rank + i for i in range(size)]  # rank r sends 1 + r + i to rank i
+            out = torch.empty(sum(splits), dtype=torch.float32)
+            dist.all_to_all_single(out, torch.full((sum(splits),), float(rank)), splits, splits, group=group)
+            assert torch.equal(out, torch.cat([torch.full((k,), float(r)) for r, k in enumerate(splits)]))
+            assert "all_to_all" not in channel.counts or channel.counts["all_to_all"][0] == len(cases) + 1
 
     def test_all_gather_into_columns_on_both_paths(self):
         """Each output gets its column block of the rank-major result, whether the columns go
