@@ -19,7 +19,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.runtime.config import DeepSpeedConfig
-from deepspeed.runtime.zero import hpz
+from deepspeed.runtime.zero import gather, hpz
 from deepspeed.utils import groups
 from tests.unit.common import DistributedTest
 from tests.unit.test_node_traffic import F32, NUMELS, by_kind, expected, one_step, traffic_config
@@ -86,6 +86,11 @@ def secondary_memory(size: int) -> tuple:
         with deepspeed.zero.GatheredParameters([s.param]):
             want = s.param.data.reshape(-1)[start : start + s.secondary.numel()]
         assert torch.equal(s.secondary[: want.numel()], want)
+    for module in (model[0], model[2]):  # each module's slices lie back to back in one buffer,
+        own = [s for s in states if any(s.param is p for p in module.parameters())]
+        sent = gather._secondaries_input(own)  # so the next gather sends them as one view
+        assert sent.data_ptr() == own[0].secondary.data_ptr(), "the secondary slices were copied to be sent"
+        assert sent.numel() == sum(s.secondary.numel() for s in own)
     engine.step()
     formula = sum(math.ceil(n / size) for module in NUMELS for n in module) * F32
     return held, formula, hpz.secondary_bytes(states)

@@ -51,6 +51,7 @@ from deepspeed.runtime.zero.lifecycle import (
     all_to_inflight,
     all_to_released,
     hold_all,
+    secondary_size,
     unhold_all,
 )
 
@@ -193,12 +194,12 @@ def _storage_refs(tensor: torch.Tensor) -> int:
 class _FullBuffer:
     """The full tensors of one run of parameters (see the note in `_FullPool`): a buffer and views of it."""
 
-    buf: torch.Tensor  # 1D, at least [world * sum(partition_size)] of the run it is laid out for
-    key: tuple  # the ds_ids of that run
+    buf: torch.Tensor  # 1D, at least [rows * sum(sizes)] of the run it is laid out for
+    key: tuple  # the ds_ids of that run (and "secondary" for hpZ's layout)
     base: Any  # weakref to the run's shard base: ds_ids alone are reset by tests
-    flat: torch.Tensor  # 1D, [world * sum(partition_size)]: the run's part of `buf`
-    sizes: list  # each parameter's partition_size, in the run's order
-    dests: list  # [world, partition_size] views: the targets of the copy out of a rank-major output
+    flat: torch.Tensor  # 1D, [rows * sum(sizes)]: the run's part of `buf`
+    sizes: list  # each parameter's columns: its partition_size (its secondary size for hpZ's layout)
+    dests: list  # [rows, size] views: the targets of the copy out of a rank-major output
     plan: ColumnPlan  # the shared-memory copy into `dests`, kept with them ([Note: the copy out of the slots, ...])
     fulls: list  # each parameter's full tensor (its shape), a view of `buf`
     refs: int  # how many tensors share `buf`'s storage when only this object holds views of it
@@ -208,26 +209,24 @@ class _FullBuffer:
         self.buf = buf
         self.live = 0
 
-    def lay_out(self, run: list, key: tuple) -> None:
-        """Make the views for `run` (parameter by parameter, each one's padding at its end)."""
-        world = run[0].world_size
-        self.sizes = [s.partition_size for s in run]
-        sizes = [world * n for n in self.sizes]
-        numel = sum(sizes)
+    def lay_out(self, run: list, key: tuple, rows: int, sizes: list) -> None:
+        """Make the views for `run`: parameter by parameter, a `[rows, sizes[i]]` block each,
+        its full tensor the block's first `numel` elements (the padding at its end)."""
+        self.sizes = sizes
+        numel = rows * sum(sizes)
         self.key, self.base = key, weakref.ref(run[0].shard_base)
         self.flat = self.buf if self.buf.shape[0] == numel else self.buf[:numel]
-        self.dests, self.fulls = _views(self.flat, run, sizes)
+        self.dests, self.fulls = _views(self.flat, run, rows, sizes)
         self.plan = ColumnPlan(self.dests, self.sizes, self.flat)
         self.refs = _storage_refs(self.buf)  # no temporaries left: only our views count
 
 
-def _views(flat: torch.Tensor, run: list, sizes: list) -> tuple:
-    """`([world, partition_size] views, full tensors)` of `run`'s parameters, back to back in `flat`."""
-    world = run[0].world_size
+def _views(flat: torch.Tensor, run: list, rows: int, sizes: list) -> tuple:
+    """`([rows, sizes[i]] views, full tensors)` of `run`'s parameters, back to back in `flat`."""
     dests, fulls = [], []
-    for s, piece in zip(run, flat.split(sizes)):
-        dests.append(piece.view(world, s.partition_size))
-        full = piece if s.padding == 0 else piece[: s.numel]
+    for s, n, piece in zip(run, sizes, flat.split([rows * n for n in sizes])):
+        dests.append(piece.view(rows, n))
+        full = piece if piece.shape[0] == s.numel else piece[: s.numel]
         fulls.append(full if len(s.shape) == 1 else full.view(s.shape))
     return dests, fulls
 
@@ -260,11 +259,22 @@ class _FullPool:
         self._free: dict = {}  # (dtype, device) -> [_FullBuffer], smallest buffer first
 
     def take(
-        self, run: list, dtype: torch.dtype, device: torch.device, key: Optional[tuple] = None
+        self,
+        run: list,
+        dtype: torch.dtype,
+        device: torch.device,
+        key: Optional[tuple] = None,
+        secondary: bool = False,
     ) -> _FullBuffer:
-        """A buffer for `run`'s full tensors; `key`: its ds_ids, when the caller has them."""
+        """A buffer for `run`'s full tensors; `key`: its ds_ids, when the caller has them.
+        `secondary`: laid out for hpZ's gather of the secondary slices (`_SecondaryBucket`)."""
         if key is None:
             key = tuple(s.ds_id for s in run)
+        if secondary:
+            key = ("secondary", *key)
+            rows, sizes = run[0].hpz.size, [secondary_size(s) for s in run]
+        else:
+            rows, sizes = run[0].world_size, [s.partition_size for s in run]
         free = self._free.get((dtype, device))
         if free:
             base = run[0].shard_base
@@ -272,15 +282,14 @@ class _FullPool:
                 if fb.key == key and fb.base() is base:
                     del free[i]
                     return fb  # the same run: its views are ready
-            numel = run[0].world_size * sum(s.partition_size for s in run)
+            numel = rows * sum(sizes)
             for i, fb in enumerate(free):  # smallest first; at most twice the run's size
                 if numel <= fb.buf.shape[0] <= self.SLACK * numel:
                     del free[i]
-                    fb.lay_out(run, key)
+                    fb.lay_out(run, key, rows, sizes)
                     return fb
-        numel = run[0].world_size * sum(s.partition_size for s in run)
-        fb = _FullBuffer(torch.empty(numel, dtype=dtype, device=device))
-        fb.lay_out(run, key)
+        fb = _FullBuffer(torch.empty(rows * sum(sizes), dtype=dtype, device=device))
+        fb.lay_out(run, key, rows, sizes)
         return fb
 
     def give_back(self, fb: _FullBuffer) -> None:
@@ -438,32 +447,59 @@ def _install(states: list, buffers: list, expected: ZeroParamStatus) -> None:
 
 class _SecondaryBucket(GatherBucketBase):
     """hpZ: one all-gather of the secondary slices of `states` (one dtype) over their secondary
-    group, within a node ([Note: hpZ, the secondary shard] in hpz.py); `wait()` installs them."""
+    group, within a node ([Note: hpZ, the secondary shard] in hpz.py); `wait()` installs them.
+
+    The same path as a primary gather with other sizes: the slices, kept back to back
+    (`all_keep_secondary`), go in as one view, and each parameter's `[h, secondary size]`
+    block of its run's full buffer is filled straight from the shared-memory slots, or by one
+    copy out of a rank-major output elsewhere."""
 
     keeps_secondary = False  # it gathers from them
 
+    def __init__(self, states: list) -> None:
+        super().__init__(states)
+        self.flat_out: Optional[torch.Tensor] = None
+        self._buffers: list = []
+
     def issue(self, device: torch.device, inflight: bool = True) -> None:
         states, hpz = self.states, self.states[0].hpz
-        pieces = [s.secondary for s in states]
-        flat_in = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(device, non_blocking=True)
-        self.flat_out = SCRATCH.take(hpz.size * flat_in.shape[0], flat_in.dtype, device)
-        self._issued(
-            dist.all_gather_into_tensor(self.flat_out, flat_in, group=hpz.group, async_op=True), inflight
-        )
+        flat_in = _secondaries_input(states).to(device, non_blocking=True)
+        self._buffers = [FULLS.take(run, flat_in.dtype, device, secondary=True) for run in _runs(states)]
+        if dist.completes_on_issue(hpz.group, flat_in):
+            dests = [d for fb in self._buffers for d in fb.dests]
+            sizes = [n for fb in self._buffers for n in fb.sizes]
+            plan = self._buffers[0].plan if len(self._buffers) == 1 else None
+            dist.all_gather_into_columns(dests, sizes, flat_in, group=hpz.group, plan=plan)
+            work = dist.CommHandle()
+        else:
+            self.flat_out = SCRATCH.take(hpz.size * flat_in.shape[0], flat_in.dtype, device)
+            work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=hpz.group, async_op=True)
+        self._issued(work, inflight)
 
     def _fill(self) -> list:
-        states, flat_out = self.states, self.flat_out
-        buffers = [FULLS.take(run, flat_out.dtype, flat_out.device) for run in _runs(states)]
-        rows = flat_out.view(states[0].hpz.size, -1)
-        fulls = [full for fb in buffers for full in fb.fulls]
-        offset = 0
-        for s, full in zip(states, fulls):
-            n = s.secondary.shape[0]
-            full.view(-1).copy_(rows[:, offset : offset + n].reshape(-1)[: s.numel])
-            offset += n
-        SCRATCH.give_back(flat_out)
-        self.flat_out = None
+        buffers, self._buffers = self._buffers, []
+        if self.flat_out is not None:
+            _copy_out(self.flat_out, buffers, self.states[0].hpz.size)
+            SCRATCH.give_back(self.flat_out)
+            self.flat_out = None
         return buffers
+
+
+def _secondaries_input(states: list) -> torch.Tensor:
+    """This rank's secondary slices of `states`, back to back in one 1D tensor: a view of the
+    buffer `all_keep_secondary` laid them out in, when they still lie there in this order."""
+    pieces = [s.secondary for s in states]
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first
+    base = first._base
+    at, item = first.data_ptr(), first.element_size()
+    for piece in pieces:
+        if piece._base is not base or piece.data_ptr() != at:
+            return torch.cat(pieces)
+        at += piece.shape[0] * item
+    start = first.storage_offset() - base.storage_offset()
+    return base[start : start + (at - first.data_ptr()) // item]
 
 
 def _copy_out(flat_out: torch.Tensor, buffers: list, world: int) -> None:

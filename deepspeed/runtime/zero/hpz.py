@@ -8,7 +8,8 @@ data-parallel group (the primary shard, what the optimizer steps), as plain ZeRO
 
 - When a gather from the primary shards completes (the forward's, usually), each rank keeps
   its slice of the gathered tensor cut over its secondary group: `ceil(numel / h)` elements,
-  zero-padded, in the parameter's dtype (`lifecycle.all_keep_secondary`).
+  zero-padded, in the parameter's dtype (`lifecycle.all_keep_secondary`); the slices of one
+  gather bucket lie back to back in one buffer, so the next gather sends them as one view.
 - A later gather of a parameter that has a secondary slice (the backward's, the recompute of
   activation checkpointing, the next micro-batch's forward before the step) all-gathers the
   secondary slices over the secondary group only (`gather._SecondaryBucket`): no byte of it

@@ -355,16 +355,29 @@ def secondary_size(state: ZeroParamState) -> int:
 
 def all_keep_secondary(states: list) -> None:
     """hpZ, AVAILABLE after a gather from the primary shards: keep this rank's slice of each
-    gathered tensor, cut over its secondary group ([Note: hpZ, the secondary shard] in hpz.py)."""
+    gathered tensor, cut over its secondary group ([Note: hpZ, the secondary shard] in hpz.py).
+
+    The slices of one bucket (one dtype) are views of one buffer, back to back in the order
+    of `states`, so their next gather sends them as one view (gather.py's
+    `_secondaries_input`). The buffer lives while any of them does: a slice dropped alone (an
+    edit written back) frees its memory with the last of its siblings."""
     for s in states:
         s._require(ZeroParamStatus.AVAILABLE, "keep_secondary")
-    for s in states:
-        size = secondary_size(s)
+    data = states[0].param.data
+    if any([s.param.data.dtype != data.dtype for s in states]):  # not from one gather bucket
+        for dtype in {s.param.data.dtype for s in states}:
+            all_keep_secondary([s for s in states if s.param.data.dtype == dtype])
+        return
+    sizes = [secondary_size(s) for s in states]
+    flat = torch.empty(sum(sizes), dtype=data.dtype, device=data.device)
+    for s, size, piece in zip(states, sizes, flat.split(sizes)):
         start = s.hpz.rank * size
-        flat = s.param.data.reshape(-1)
-        piece = torch.zeros(size, dtype=flat.dtype, device=flat.device)
-        if start < s.numel:
-            piece[: min(size, s.numel - start)].copy_(flat[start : start + size])
+        full = s.param.data.reshape(-1)
+        real = max(0, min(size, s.numel - start))  # the rest is padding past the tensor's end
+        if real:
+            piece[:real].copy_(full[start : start + real])
+        if real < size:
+            piece[real:].zero_()
         s.secondary = piece
 
 
