@@ -71,8 +71,9 @@ std::vector<std::string> available_isas() { return kernels().names(); }
 
 std::string isa() { return active()->name; }
 
-// Elements the kernels prefetch ahead: 512 on Intel CPUs, 0 elsewhere (see [Note: software
-// prefetch where the CPU needs it] in adam_kernel.h for what each was measured at).
+// Elements the kernels prefetch ahead at load: 512 on Intel CPUs, 0 elsewhere (see [Note: software
+// prefetch where the CPU needs it] in adam_kernel.h for what each was measured at); the
+// Python optimizer then measures both on its first large steps (PrefetchTuner).
 int64_t default_prefetch() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();

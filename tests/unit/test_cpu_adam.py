@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from deepspeed.ops.adam import DeepSpeedCPUAdam
-from deepspeed.ops.adam.cpu_adam import torch_adam_update
+from deepspeed.ops.adam.cpu_adam import PREFETCH, PREFETCH_ENV, PrefetchTuner, torch_adam_update
 from deepspeed.ops.op_builder import ALL_OPS, CPUAdamBuilder, builder
 from deepspeed.runtime import huge_pages
 
@@ -224,6 +224,97 @@ def test_prefetch_is_on_by_default_on_intel_cpus_only():
     assert op.prefetch() == expected  # no test left it changed
 
 
+class _FakeOp:
+    """The op's prefetch setting alone, recording every distance set."""
+
+    def __init__(self, default: int) -> None:
+        self.distance, self.history = default, []
+
+    def prefetch(self) -> int:
+        return self.distance
+
+    def set_prefetch(self, distance: int) -> None:
+        if not 0 <= distance <= 2**16:
+            raise RuntimeError(f"distance in elements >= 0 and <= 65536, got {distance}")
+        self.distance = distance
+        self.history.append(distance)
+
+
+def _tune(default: int, ns_per_element: dict) -> tuple:
+    """Drive a fresh tuner with steps costing `ns_per_element[distance]`; (result, distances timed)."""
+    tuner, op, timed = PrefetchTuner(), _FakeOp(default), []
+    n = tuner.MIN_ELEMENTS
+    assert tuner.before(op, n, fresh=True) is None  # the first step touches fresh states
+    assert tuner.before(op, n - 1, fresh=False) is None  # too small to time
+    while not tuner.done:
+        distance = tuner.before(op, n, fresh=False)
+        timed.append(distance)
+        tuner.after(op, distance, ns_per_element[distance] * n / 1e9, n)
+    assert op.distance == tuner.result["distance"]
+    return tuner.result, timed
+
+
+@pytest.mark.parametrize(
+    "default, costs, chosen",
+    [
+        (0, {0: 1.20, 512: 1.00}, 512),  # an Intel-like CPU the vendor rule missed
+        (512, {0: 1.00, 512: 1.25}, 0),  # an AMD-like one
+        (0, {0: 1.00, 512: 0.99}, 0),  # within the margin: the default stays
+        (512, {0: 1.00, 512: 1.01}, 512),
+    ],
+)
+def test_prefetch_tuner_keeps_the_faster_distance(default, costs, chosen):
+    result, timed = _tune(default, costs)
+    other = 512 if default == 0 else 0
+    assert timed == [default, other, other, default, default, other]  # 3 each, drift cancels
+    assert result["distance"] == chosen and result["source"] == "measured" and result["default"] == default
+    assert result["ns_per_element"] == pytest.approx(costs)
+
+
+def test_prefetch_tuner_small_steps_and_the_environment(monkeypatch):
+    tuner, op = PrefetchTuner(), _FakeOp(512)
+    for _ in range(tuner.GIVE_UP_AFTER):
+        assert tuner.before(op, 1000, fresh=False) is None
+    assert tuner.done and op.distance == 512 and tuner.result["source"].startswith("default")
+
+    monkeypatch.setenv(PREFETCH_ENV, "128")
+    tuner, op = PrefetchTuner(), _FakeOp(0)
+    assert tuner.before(op, tuner.MIN_ELEMENTS, fresh=False) is None
+    assert tuner.done and op.distance == 128 and tuner.result["source"] == PREFETCH_ENV
+    for bad in ("far", "-4"):
+        monkeypatch.setenv(PREFETCH_ENV, bad)
+        with pytest.raises(ValueError, match=rf"{PREFETCH_ENV}='{bad}' is not a prefetch distance"):
+            PrefetchTuner().before(_FakeOp(0), 1, fresh=False)
+
+
+@needs_native
+def test_the_first_large_steps_choose_the_distance_and_change_no_value():
+    """A real optimizer: its first steps over `MIN_ELEMENTS` time both distances and leave the
+    faster set; a second run, at that distance throughout, gives the same bits."""
+    op = ALL_OPS["cpu_adam"].load()
+    default = op.prefetch()
+
+    def run() -> tuple:
+        gen = torch.Generator().manual_seed(5)
+        param = torch.nn.Parameter(torch.randn(PrefetchTuner.MIN_ELEMENTS, generator=gen))
+        opt = DeepSpeedCPUAdam([param], lr=1e-2, weight_decay=0.1)
+        for _ in range(1 + 2 * PrefetchTuner.TRIALS):
+            param.grad = torch.randn(param.shape, generator=gen)
+            opt.step()
+        return param.detach(), opt.state[param]["exp_avg_sq"]
+
+    PREFETCH.reset()
+    try:
+        tuned = run()
+        assert PREFETCH.done and PREFETCH.result["source"] == "measured", PREFETCH.result
+        assert op.prefetch() == PREFETCH.result["distance"] in PrefetchTuner.CANDIDATES
+        again = run()  # no trial now: the chosen distance for every step
+        assert all(torch.equal(a, b) for a, b in zip(tuned, again))
+    finally:
+        PREFETCH.reset()
+        op.set_prefetch(default)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "nontemporal, contiguous, prefetch",
@@ -275,6 +366,9 @@ def test_many_small_tensors_take_one_native_call(monkeypatch):
         def adam_step_supported(self, *args):
             calls.append(len(args[0]))
             return real.adam_step_supported(*args)
+
+        def __getattr__(self, name):  # the rest of the op (its prefetch setting) as it is
+            return getattr(real, name)
 
     monkeypatch.setattr(opt, "_native", Spy())
     run_steps(opt, params, steps=3)

@@ -3,8 +3,10 @@
 One library holds every vector path (AVX-512, AVX2, NEON, scalar), each compiled for its
 own instruction set with a per-function target attribute; the library picks the widest one
 the CPU supports when it loads (``DS_CPU_ADAM_ISA`` overrides, ``set_isa`` switches). On
-Intel CPUs the loop prefetches 512 elements ahead in software (``prefetch``/``set_prefetch``
-read and change the distance; see csrc/adam/adam_kernel.h for why only there).
+Intel CPUs the loop starts out prefetching 512 elements ahead in software, elsewhere not
+(``prefetch``/``set_prefetch`` read and change the distance; see csrc/adam/adam_kernel.h
+for why); ``DeepSpeedCPUAdam`` then times both on its first large steps and keeps the faster
+(``deepspeed/ops/adam/cpu_adam.py``, ``DS_CPU_ADAM_PREFETCH`` fixes it).
 """
 
 from deepspeed.ops.op_builder.builder import OpBuilder
