@@ -15,7 +15,9 @@ repetition, so every rank agrees), after a `dist.barrier()`:
                math than DeepSpeed's, so this is the collective alone)
   split        `all_gather_into_columns` into `[world, partition_size]` blocks laid back to
                back, one copy per block and rank out of the shared slots
-  concat       the same with a kept `shm.ColumnPlan`: one `torch.cat` out of the slots
+  blocks       the same with a kept `shm.BlockPlan`: each rank writes its pieces where the
+               blocks lie in the segment, every rank reads them back in one copy (gather.py's
+               path)
   copy_floor   `raw`, then `torch.split_with_sizes_copy` into per-parameter buffers
   gloo_raw     gloo's own all-gather into one buffer (no shared memory)
   gloo_list    gloo's all-gather into a list of per-rank views of one buffer
@@ -48,7 +50,7 @@ VARIANTS = (
     "raw",
     "flat",
     "split",
-    "concat",
+    "blocks",
     "copy_floor",
     "gloo_raw",
     "gloo_list",
@@ -66,7 +68,7 @@ def _bodies(params: list, world: int) -> dict:
     rows = out.view(world, n)
     full = torch.empty(world * n)  # blocks laid out parameter by parameter, as gather.py's buffers
     blocks = [b.view(world, s) for b, s in zip(full.split([world * s for s in sizes]), sizes)]
-    plan = shm.ColumnPlan(blocks, sizes, full)
+    plans = [shm.BlockPlan(full, sizes)]
     per_param = [torch.empty(world, s) for s in sizes]
     per_param_flat = [t.view(-1) for t in per_param]
     shards = list(inp.split(sizes))
@@ -90,7 +92,7 @@ def _bodies(params: list, world: int) -> dict:
         "raw": lambda: dist.all_gather_into_tensor(out, inp),
         "flat": lambda: dist.all_gather_into_tensor(full, inp),
         "split": lambda: dist.all_gather_into_columns(blocks, sizes, inp),
-        "concat": lambda: dist.all_gather_into_columns(blocks, sizes, inp, plan=plan),
+        "blocks": lambda: dist.all_gather_into_columns(blocks, sizes, inp, plans=plans),
         "copy_floor": copy_floor,
         "gloo_raw": lambda: tdist.all_gather_into_tensor(out, inp, group=gloo),
         "gloo_list": lambda: tdist.all_gather(chunks, inp, group=gloo),

@@ -607,7 +607,7 @@ def all_gather_into_columns(
     scratch: Optional[torch.Tensor] = None,
     prof: bool = False,
     log_name: str = "all_gather_into_columns",
-    plan: Optional[shm.ColumnPlan] = None,
+    plans: Optional[list] = None,
 ) -> None:
     """One all-gather whose rank-major result `[world, n]` is split by columns into `outputs`.
 
@@ -618,13 +618,14 @@ def all_gather_into_columns(
     and 2 after a step, whose updated slices lie in the parameters). Through shared memory
     the columns go straight from the slots to `outputs`; otherwise through an all-gather into
     `scratch` (1D, at least `world * n` elements: the caller's reused memory) or, without one,
-    a fresh buffer. The logger records one rank's contribution (`n` elements). `plan`: a
-    `shm.ColumnPlan` of `outputs`, when they lie back to back in one flat tensor and are
-    gathered into again and again (the shared-memory copy out then reuses its views).
+    a fresh buffer. The logger records one rank's contribution (`n` elements). `plans`:
+    `shm.BlockPlan`s that together hold `outputs` in order, each a run of them back to back
+    in one flat tensor; through shared memory the pieces then move on the write side and
+    each run is read back in contiguous copies ([Note: the block layout of a gather]).
     """
     if comms_logger.timing and comms_logger.idle:
         nbytes = sum(sizes) * (outputs[0] if input_tensor is None else input_tensor).element_size()
-        args = (outputs, sizes, input_tensor, group, scratch, False, log_name, plan)
+        args = (outputs, sizes, input_tensor, group, scratch, False, log_name, plans)
         return _timed(all_gather_into_columns, args, log_name, prof, group, nbytes, False)
     world, n = get_world_size(group), sum(sizes)
     if len(sizes) != len(outputs) or (input_tensor is not None and input_tensor.numel() != n):
@@ -647,7 +648,10 @@ def all_gather_into_columns(
     else:
         channel = _shm_channel(group, input_tensor)
     if channel is not None:
-        channel.all_gather_columns(outputs, sizes, input_tensor, plan)
+        if plans is not None and not in_place:
+            channel.all_gather_blocks(plans, input_tensor.view(-1))
+        else:
+            channel.all_gather_columns(outputs, sizes, input_tensor)
         return
     sample = outputs[0] if in_place else input_tensor
     if scratch is None:

@@ -298,17 +298,36 @@ class TestSharedMemoryCollectives(DistributedTest):
                     path,
                     copied,
                 )
-                # Outputs back to back in one flat tensor, with a plan kept across gathers (the
-                # second gather reuses the views the first made), chunks cutting outputs.
-                flat = torch.full((size * sum(sizes),), -1.0)
-                outputs = [b.view(size, n) for b, n in zip(flat.split([size * n for n in sizes]), sizes)]
-                plan = shm.ColumnPlan(outputs, sizes, flat)
-                for again in range(3):
-                    flat.fill_(-1.0)
-                    facade.all_gather_into_columns(outputs, sizes, everyone[rank], group=group, plan=plan)
-                    for got, want in zip(outputs, expected):
-                        assert torch.equal(got, want), (path, again)
-                assert (path == "gloo") == (not plan._chunks), "the shared-memory path keeps its views"
+                # Outputs back to back in flat tensors, with block plans kept across gathers:
+                # two runs, blocks packed into halves of 64 columns, one wider than a half.
+                for native in (True, False):
+                    flats = [
+                        torch.full((size * sum(sizes[:3]),), -1.0),
+                        torch.full((size * sum(sizes[3:]),), -1.0),
+                    ]
+                    runs = [sizes[:3], sizes[3:]]
+                    plans = [shm.BlockPlan(f, r) for f, r in zip(flats, runs)]
+                    outputs = [
+                        b.view(size, n)
+                        for f, r in zip(flats, runs)
+                        for b, n in zip(f.split([size * n for n in r]), r)
+                    ]
+                    unbuilt = mock.patch.object(shm, "_copy_pieces", lambda: None)
+                    for again in range(2):
+                        for f in flats:
+                            f.fill_(-1.0)
+                        with contextlib.nullcontext() if native else unbuilt:
+                            facade.all_gather_into_columns(
+                                outputs, sizes, everyone[rank], group=group, plans=plans
+                            )
+                        for got, want in zip(outputs, expected):
+                            assert torch.equal(got, want), (path, native, again)
+                    if path == "shm":  # [1, 70 (wide), 5] then [64, 3]: 70 and 64+3 cannot share a half
+                        kinds = [[(u.first, u.last, u.table is None) for u in p._units] for p in plans]
+                        assert kinds == [
+                            [(0, 1, False), (1, 2, True), (2, 3, False)],
+                            [(0, 1, False), (1, 2, False)],
+                        ]
         with pytest.raises(ValueError, match="do not split"):
             facade.all_gather_into_columns(outputs, [1, 2], everyone[rank], group=group)
 

@@ -8,10 +8,25 @@ from deepspeed.ops.op_builder.builder import OpBuilder
 from deepspeed.ops.op_builder.cpu_adam import CPUAdamBuilder
 from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 from deepspeed.ops.op_builder.quantizer import QuantizerBuilder
+from deepspeed.ops.op_builder.shm_copy import ShmCopyBuilder
 
-__all__ = ["ALL_OPS", "AsyncIOBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "OpBuilder", "QuantizerBuilder"]
+__all__ = [
+    "ALL_OPS",
+    "AsyncIOBuilder",
+    "CPUAdamBuilder",
+    "FusedAdamBuilder",
+    "OpBuilder",
+    "QuantizerBuilder",
+    "ShmCopyBuilder",
+]
 
 ALL_OPS: dict[str, OpBuilder] = {
     builder.NAME: builder
-    for builder in (AsyncIOBuilder(), CPUAdamBuilder(), FusedAdamBuilder(), QuantizerBuilder())
+    for builder in (
+        AsyncIOBuilder(),
+        CPUAdamBuilder(),
+        FusedAdamBuilder(),
+        QuantizerBuilder(),
+        ShmCopyBuilder(),
+    )
 }

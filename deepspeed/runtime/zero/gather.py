@@ -21,12 +21,13 @@ to back: each state records the flat buffer its shard is a view of), and the out
 out rank by rank, `[rank 0: p0 shard, p1 shard, ...][rank 1: ...]`. One fused copy moves
 each parameter's column block into its full tensor (see `_FullPool` for where those live);
 a single parameter needs no copy, as the output is its full tensor. Through shared memory
-there is no rank-major buffer: the columns go from the peers' slots straight into the full
-tensors as one concatenation (shm.py's `ColumnPlan`), the one copy a raw all-gather makes
-too. DeepSpeed's shard math fixes which elements each rank holds, so no output layout makes
-every parameter contiguous; FSDP1's flat layout would, with other shard math, and gains no
-more on shared memory; the other layouts measured lose (benchmarks/README.md, "Gathers
-without copy-out").
+there is no rank-major buffer: each rank writes its pieces where the module's blocks lie in
+the shared segment, and every rank reads them back in one contiguous copy into the
+module's full buffer (shm.py's [Note: the block layout of a gather]): the copies a raw
+all-gather makes, with the pieces on the cheap side. DeepSpeed's shard math fixes which
+elements each rank holds, so no output layout of one collective makes every parameter
+contiguous; FSDP1's flat layout would, with other shard math; the layouts measured are in
+benchmarks/README.md, "Gathers without copy-out".
 Every rank issues the same collectives in the same order because parameters are sorted by
 `ds_id`, which is equal on all ranks. State changes go a bucket at a time (see
 lifecycle.py's bulk transitions).
@@ -42,7 +43,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed import process_state
-from deepspeed.comm.shm import ColumnPlan
+from deepspeed.comm.shm import BlockPlan
 from deepspeed.runtime.zero.lifecycle import (
     ZeroParamState,
     ZeroParamStatus,
@@ -200,7 +201,7 @@ class _FullBuffer:
     flat: torch.Tensor  # 1D, [rows * sum(sizes)]: the run's part of `buf`
     sizes: list  # each parameter's columns: its partition_size (its secondary size for hpZ's layout)
     dests: list  # [rows, size] views: the targets of the copy out of a rank-major output
-    plan: ColumnPlan  # the shared-memory copy into `dests`, kept with them ([Note: the copy out of the slots, ...])
+    plan: BlockPlan  # how `dests` travel through shared memory, kept with them ([Note: the block layout of a gather])
     fulls: list  # each parameter's full tensor (its shape), a view of `buf`
     refs: int  # how many tensors share `buf`'s storage when only this object holds views of it
     live: int  # how many of the run's parameters have one of `fulls` as their data
@@ -217,7 +218,7 @@ class _FullBuffer:
         self.key, self.base = key, weakref.ref(run[0].shard_base)
         self.flat = self.buf if self.buf.shape[0] == numel else self.buf[:numel]
         self.dests, self.fulls = _views(self.flat, run, rows, sizes)
-        self.plan = ColumnPlan(self.dests, self.sizes, self.flat)
+        self.plan = BlockPlan(self.flat, self.sizes)
         self.refs = _storage_refs(self.buf)  # no temporaries left: only our views count
 
 
@@ -395,16 +396,17 @@ class _GatherBucket(GatherBucketBase):
             work = dist.all_gather_into_tensor(self.flat_out, flat_in, group=group, async_op=True)
         elif dist.completes_on_issue(group, flat_in):
             # Shared memory: the gather is over when the call returns, so nothing overlaps it
-            # and each parameter's columns go straight into its full tensor, with no
-            # rank-major buffer between (one copy instead of two).
+            # and the blocks go from the segment straight into the full buffers, with no
+            # rank-major buffer between (one copy out instead of two).
             self._filled = self._full_buffers(flat_in.dtype, device)
             if len(self._filled) == 1:  # one run: its full tensors lie back to back in one buffer
                 fb = self._filled[0]
-                dist.all_gather_into_columns(fb.dests, fb.sizes, flat_in, group=group, plan=fb.plan)
+                dist.all_gather_into_columns(fb.dests, fb.sizes, flat_in, group=group, plans=[fb.plan])
             else:
                 dests = [d for fb in self._filled for d in fb.dests]
                 sizes = [n for fb in self._filled for n in fb.sizes]
-                dist.all_gather_into_columns(dests, sizes, flat_in, group=group)
+                plans = [fb.plan for fb in self._filled]
+                dist.all_gather_into_columns(dests, sizes, flat_in, group=group, plans=plans)
             work = dist.CommHandle()
         else:
             self.flat_out = SCRATCH.take(states[0].world_size * flat_in.shape[0], flat_in.dtype, device)
@@ -468,8 +470,8 @@ class _SecondaryBucket(GatherBucketBase):
         if dist.completes_on_issue(hpz.group, flat_in):
             dests = [d for fb in self._buffers for d in fb.dests]
             sizes = [n for fb in self._buffers for n in fb.sizes]
-            plan = self._buffers[0].plan if len(self._buffers) == 1 else None
-            dist.all_gather_into_columns(dests, sizes, flat_in, group=hpz.group, plan=plan)
+            plans = [fb.plan for fb in self._buffers]
+            dist.all_gather_into_columns(dests, sizes, flat_in, group=hpz.group, plans=plans)
             work = dist.CommHandle()
         else:
             self.flat_out = SCRATCH.take(hpz.size * flat_in.shape[0], flat_in.dtype, device)
