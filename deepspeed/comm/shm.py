@@ -259,7 +259,7 @@ class ShmChannel:
         n = sum(plan.n for plan in plans)
         self._count("all_gather", world * n * itemsize)
         post, copy = _post("all_gather", dtype, n), _copy_pieces()
-        packed: list = []  # (unit, columns before it in the half, its plan's first column in inp)
+        packed: list = []  # (plan, unit, columns before it in the half, the plan's first column in inp)
         used, met, at = 0, False, 0
         for plan in plans:
             for unit in plan.units(world, rank, itemsize, capacity):
@@ -271,7 +271,7 @@ class ShmChannel:
                         self._gather_wide(plan, unit.first, inp, at, post)
                         met = True
                         continue
-                packed.append((unit, used, at))
+                packed.append((plan, unit, used, at))
                 used += unit.cols
             at += plan.n
         if packed or not met:  # an empty gather still meets, so the ranks compare their ops
@@ -281,12 +281,12 @@ class ShmChannel:
         world = self.world
         size = world * self.slot_bytes
         region = self._data[self._half * size : (self._half + 1) * size].view(inp.dtype)
-        for unit, used, at in packed:
+        for _, unit, used, at in packed:
             unit.scatter(copy, region, world * used, inp, at)
         self._meet(post)
-        for unit, used, _ in packed:
-            first = world * unit.plan.starts[unit.first]
-            unit.plan.flat[first : first + world * unit.cols].copy_(
+        for plan, unit, used, _ in packed:
+            first = world * plan.starts[unit.first]
+            plan.flat[first : first + world * unit.cols].copy_(
                 region[world * used : world * (used + unit.cols)]
             )
 
@@ -524,7 +524,7 @@ class BlockPlan:
         units, starts, count, i = [], self.starts, len(self.sizes), 0
         while i < count:
             if self.sizes[i] > capacity:
-                units.append(_Unit(self, i, i + 1, None))
+                units.append(_Unit(i, i + 1, self.sizes[i], None))
                 i += 1
                 continue
             j = i + 1
@@ -536,22 +536,22 @@ class BlockPlan:
                     to.append((world * (starts[b] - starts[i]) + rank * self.sizes[b]) * itemsize)
                     source.append(starts[b] * itemsize)
                     length.append(self.sizes[b] * itemsize)
-            units.append(
-                _Unit(self, i, j, torch.tensor([to, source, length], dtype=torch.int64, device="cpu"))
-            )
+            table = torch.tensor([to, source, length], dtype=torch.int64, device="cpu")
+            units.append(_Unit(i, j, starts[j] - starts[i], table))
             i = j
         return units
 
 
 class _Unit:
-    """Blocks `[first, last)` of a plan that travel through one half together (`table`:
-    `[3, pieces]` int64, byte offsets to, from and lengths; None: one wide block by columns)."""
+    """Blocks `[first, last)` of a plan, `cols` columns, that travel through one half together
+    (`table`: `[3, pieces]` int64, byte offsets to, from and lengths; None: one wide block by
+    columns). It holds no reference to its plan: a cycle would keep the plan's output buffer
+    alive until the garbage collector ran (a module's whole gathered memory)."""
 
-    __slots__ = ("plan", "first", "last", "cols", "table")
+    __slots__ = ("first", "last", "cols", "table")
 
-    def __init__(self, plan: BlockPlan, first: int, last: int, table: Optional[torch.Tensor]) -> None:
-        self.plan, self.first, self.last, self.table = plan, first, last, table
-        self.cols = plan.starts[last] - plan.starts[first]
+    def __init__(self, first: int, last: int, cols: int, table: Optional[torch.Tensor]) -> None:
+        self.first, self.last, self.cols, self.table = first, last, cols, table
 
     def scatter(self, copy, region: torch.Tensor, to: int, inp: torch.Tensor, at: int) -> None:
         """This rank's pieces of the unit from `inp` (its plan's columns from `at`) into

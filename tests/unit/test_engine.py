@@ -390,6 +390,35 @@ class TestEngineParity(DistributedTest):
         # fp32 training: each master shares its parameter's shard instead of copying it
         assert all(engine.optimizer.masters[p.ds_id].data_ptr() == p.ds_tensor.data_ptr() for p in params)
 
+    def test_gathered_buffers_die_with_the_pass_without_the_garbage_collector(self):
+        """Every module's full buffer is freed by reference counting once the step dropped the
+        pools: nothing the gather keeps (its shared-memory plan included) forms a cycle that
+        would hold a module's gathered memory until the collector ran."""
+        import gc
+        import weakref
+
+        from deepspeed.runtime.zero import gather
+
+        engine, _ = engine_run(batches(1))
+        made = []
+        original = gather.FULLS.take
+
+        def take(*args, **kwargs):
+            fb = original(*args, **kwargs)
+            made.append(weakref.ref(fb.buf))  # the memory, which views of it would keep too
+            return fb
+
+        gather.FULLS.take = take
+        gc.disable()
+        try:
+            ids, labels = batches(1, seed=3)[0]
+            engine.backward(engine(my_slice(ids), my_slice(labels)))
+            engine.step()
+            assert made and not [ref for ref in made if ref() is not None]
+        finally:
+            gc.enable()
+            gather.FULLS.take = original
+
 
 class WithSpareHead(TinyLM):
     """TinyLM with a second head its forward never uses."""
