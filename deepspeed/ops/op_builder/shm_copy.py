@@ -51,7 +51,14 @@ class ShmCopyBuilder(OpBuilder):
 
     def _jit_load(self, verbose: bool) -> ModuleType:
         build_dir = self.build_directory()
-        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            build_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a load failure, as any other: the caller falls back to torch
+            self._load_error = (
+                f"native op {self.NAME!r} cannot be built: {build_dir} cannot be made ({exc}); point "
+                "TORCH_EXTENSIONS_DIR at a writable directory"
+            )
+            raise RuntimeError(self._load_error) from exc
         path = self.library_path()
         if not self.is_built():
             logger.info(f"building native op {self.NAME!r} in {build_dir} (first use only)")
