@@ -558,21 +558,18 @@ def all_gather_into_tensor(
     if comms_logger.timing and comms_logger.idle:
         args = (output_tensor, input_tensor, group, async_op)
         return _timed(all_gather_into_tensor, args, log_name, prof, group, _nbytes(input_tensor), async_op)
+    if output_tensor.dtype == input_tensor.dtype and hierarchical.plan_for(group) is None:
+        channel = _shm_channel(group, output_tensor, input_tensor)
+        if channel is not None:  # the channel knows the group's size: no torch.distributed call
+            _check_gather_sizes(output_tensor, input_tensor, channel.world)
+            channel.all_gather(output_tensor, input_tensor)
+            return CommHandle()
     world, rank = get_world_size(group), get_rank(group)
-    if output_tensor.numel() != world * input_tensor.numel():
-        raise ValueError(
-            f"all_gather_into_tensor: output has {output_tensor.numel()} elements, which is not "
-            f"{world} ranks x the input's {input_tensor.numel()}"
-        )
+    _check_gather_sizes(output_tensor, input_tensor, world)
     two_hop = hierarchical.plan_for(group)  # [Note: the two-hop all-gather]
     if two_hop is not None:
         two_hop.all_gather(output_tensor, input_tensor)
         return CommHandle()
-    if output_tensor.dtype == input_tensor.dtype:
-        channel = _shm_channel(group, output_tensor, input_tensor)
-        if channel is not None:
-            channel.all_gather(output_tensor, input_tensor)
-            return CommHandle()
     nbytes = output_tensor.numel() * output_tensor.element_size()
     on_gloo = get_backend(group) == "gloo"
     if not on_gloo or nbytes < GLOO_BROADCAST_MIN_BYTES:
@@ -591,6 +588,14 @@ def all_gather_into_tensor(
     if not async_op:
         handle.wait()
     return handle
+
+
+def _check_gather_sizes(output_tensor: torch.Tensor, input_tensor: torch.Tensor, world: int) -> None:
+    if output_tensor.numel() != world * input_tensor.numel():
+        raise ValueError(
+            f"all_gather_into_tensor: output has {output_tensor.numel()} elements, which is not "
+            f"{world} ranks x the input's {input_tensor.numel()}"
+        )
 
 
 def completes_on_issue(group: Optional[ProcessGroup], tensor: torch.Tensor) -> bool:

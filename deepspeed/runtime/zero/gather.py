@@ -43,6 +43,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed import process_state
+from deepspeed.accelerator import get_accelerator
 from deepspeed.comm.shm import BlockPlan
 from deepspeed.runtime.zero.lifecycle import (
     ZeroParamState,
@@ -75,8 +76,6 @@ process_state.register("deepspeed.runtime.zero.gather._DEVICES", _DEVICES, _DEVI
 
 
 def _compute_device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
     name = get_accelerator().current_device_name()  # asked each time: set_device may change it
     device = _DEVICES.get(name)
     if device is None:
@@ -133,7 +132,9 @@ def _flat_input(states: list, device: torch.device, end: Optional[int] = None) -
         flat = base
     else:
         flat = base[first.shard_offset : end]
-    return flat.to(device, non_blocking=True)
+    # Shards usually live where they are gathered: skip the call (each torch call on this
+    # path costs several microseconds once a collective has flushed the caches).
+    return flat if flat.device == device else flat.to(device, non_blocking=True)
 
 
 class _ScratchPool:
@@ -186,9 +187,12 @@ SCRATCH = _ScratchPool()
 process_state.register("deepspeed.runtime.zero.gather.SCRATCH", SCRATCH, SCRATCH.clear)
 
 
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # absent from some torch versions
+
+
 def _storage_refs(tensor: torch.Tensor) -> int:
     """How many tensors share `tensor`'s storage; -1 where this torch cannot say."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
+    count = _STORAGE_USE_COUNT
     return -1 if count is None else count(tensor.untyped_storage()._cdata)
 
 

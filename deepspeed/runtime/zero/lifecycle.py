@@ -334,11 +334,12 @@ def all_to_available(
 def all_to_released(states: list) -> list:
     """AVAILABLE and unheld -> NOT_AVAILABLE: free the gathered tensors. Returns their `full_buffer`s, now cleared."""
     available, released = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
+    buffers = []
     for s in states:
         if s.status is not available or s.holds:
             s._require(available, "to_released")
             assert not s.holds, f"[rank {s.rank}] ds_id={s.ds_id} released while held by {list(s.holds)}"
-    buffers = [s.full_buffer for s in states]
+        buffers.append(s.full_buffer)
     with torch._C.DisableTorchFunctionSubclass():  # internal: skip ZeroParameter's dispatch
         for s in states:
             s.param.data = s.placeholder

@@ -560,13 +560,13 @@ class GatherHold:
     at each step, exactly as while the dropped object was alive.
     """
 
-    __slots__ = ("states", "modifier_rank", "handle", "description")
+    __slots__ = ("states", "modifier_rank", "handle", "enabled")
 
-    def __init__(self, states: list, modifier_rank: Optional[int], description: str) -> None:
+    def __init__(self, states: list, modifier_rank: Optional[int], enabled: bool) -> None:
         self.states = states
         self.modifier_rank = modifier_rank
         self.handle: Optional[gather.GatherHandle] = None  # set while gathered
-        self.description = description
+        self.enabled = enabled
 
     def write_back_edits(self) -> None:
         """Broadcast the modifier rank's tensors and write them into every rank's shards."""
@@ -578,7 +578,11 @@ class GatherHold:
             s.write_back()
 
     def __repr__(self) -> str:
-        return self.description
+        # Made when a message asks (the tracker's, a hold table's), not on every gather.
+        flags = "" if self.enabled else ", enabled=False"
+        return (
+            f"GatheredParameters({len(self.states)} ZeRO params, modifier_rank={self.modifier_rank}{flags})"
+        )
 
 
 def live_modifier_gathers(states: list) -> list:
@@ -610,20 +614,17 @@ class GatheredParameters:
         candidates = _as_param_list(params)  # validated even when disabled: misuse is loud
         self._states = gather.zero_states(candidates) if enabled else []
         self._exception_at_start: Optional[BaseException] = None
+        self._sanity_checks = False  # read by start() for stop() (an engine may turn them on in between)
         if self._states:
             self._check_modifier_rank(modifier_rank)
             if fwd_module is not None:
                 for s in self._states:
                     register_external_parameter(fwd_module, s.param)
-        description = self._describe()
-        self._tracker = StartStopTracker(self, description)
-        self._hold = GatherHold(self._states, modifier_rank, description)  # see GatherHold
+        self._hold = GatherHold(self._states, modifier_rank, enabled)  # see GatherHold
+        self._tracker = StartStopTracker(self, self._hold)  # the hold's repr names this object
 
     def _describe(self) -> str:
-        flags = "" if self.enabled else ", enabled=False"
-        return (
-            f"GatheredParameters({len(self._states)} ZeRO params, modifier_rank={self.modifier_rank}{flags})"
-        )
+        return repr(self._hold)
 
     def _check_modifier_rank(self, modifier_rank: Optional[int]) -> None:
         if modifier_rank is None:
@@ -651,7 +652,9 @@ class GatheredParameters:
         if not self._states:
             return self  # disabled, or no ZeRO parameter: nothing to gather
         try:
-            if any([s.sanity_checks for s in self._states]):  # a list: faster than a generator
+            # A list: faster than a generator.
+            self._sanity_checks = any([s.sanity_checks for s in self._states])
+            if self._sanity_checks:
                 # The all-gather's sizes come from the caller's list: ranks must pass the same one.
                 check_agreement(
                     "GatheredParameters.start(): the parameters to gather",
@@ -717,7 +720,7 @@ class GatheredParameters:
                         f"{self._describe()}: the body raised or replaced a parameter on rank(s) {failed}; "
                         "the edits were discarded on every rank (see the error on those ranks)"
                     )
-            elif any([s.sanity_checks for s in states]):
+            elif self._sanity_checks:
                 self._raise_on_discarded_edits(states)
         finally:
             self._hold.handle = None

@@ -18,20 +18,28 @@ from typing import Optional
 from deepspeed import process_state
 
 
-def _caller_site(skip_files: tuple) -> str:
-    """`file:line in function` of the first frame outside this package's context code.
+def _caller_site(skip_files: tuple) -> Optional[tuple]:
+    """`(code, line)` of the first frame outside this package's context code; None if none.
 
-    A walk over the live frames, which reads no source file: `start()` records this on every
-    call (a `GatheredParameters` in a loop), and `traceback.extract_stack` would cost more
-    than a small gather itself.
+    A walk over the live frames, which reads no source file and formats nothing: `start()`
+    records this on every call (a `GatheredParameters` in a loop), and only a message reads
+    it (`_format_site`). The code object keeps no frame, so no caller's locals, alive.
     """
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if not code.co_filename.endswith(skip_files):
-            return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+            return code, frame.f_lineno
         frame = frame.f_back
-    return "<unknown>"
+    return None
+
+
+def _format_site(site: Optional[tuple]) -> str:
+    """`file:line in function` for a `_caller_site` result."""
+    if site is None:
+        return "<unknown>"
+    code, line = site
+    return f"{code.co_filename}:{line} in {code.co_name}"
 
 
 # Frames from these files are skipped when recording where start() was called from.
@@ -56,7 +64,7 @@ class _LiveRegistry:
         return self._live.pop(id(owner_ref), None)
 
     def snapshot(self) -> list:
-        return [(t.description, t.start_site) for t in self._live.values()]
+        return [(str(t.description), t.start_site) for t in self._live.values()]
 
     def reset(self) -> None:
         self._live.clear()
@@ -77,16 +85,18 @@ def live_contexts() -> list:
 class StartStopTracker:
     """idle -> active -> idle; `begin()` and `end()` check the transition and raise on misuse."""
 
-    description: str  # names the owner in messages, e.g. "GatheredParameters(3 params)"
+    # Names the owner in messages, e.g. "GatheredParameters(3 params)": a str, or an object
+    # whose str() is one, made only when a message needs it (GatheredParameters' hold).
+    description: object
     active: bool
-    start_site: Optional[str]  # where the current (or last) start() was called from
+    _site: Optional[tuple]  # where the current (or last) start() was called from (`_caller_site`)
     starts: int  # how many times the owner was started, for debugging
     owner_ref: weakref.ref  # to the owner; the key of this tracker in the registry while active
 
-    def __init__(self, owner: object, description: str) -> None:
+    def __init__(self, owner: object, description: object) -> None:
         self.description = description
         self.active = False
-        self.start_site = None
+        self._site = None
         self.starts = 0
         # A weak reference with a module-level callback, not `weakref.finalize` (a registry
         # entry per object, several times the cost, on every GatheredParameters) nor a bound
@@ -103,8 +113,13 @@ class StartStopTracker:
             )
         self.active = True
         self.starts += 1
-        self.start_site = _caller_site(_INTERNAL_FILES)
+        self._site = _caller_site(_INTERNAL_FILES)
         _REGISTRY.add(self)
+
+    @property
+    def start_site(self) -> str:
+        """`file:line in function` where the current (or last) start() was called."""
+        return _format_site(self._site)
 
     def end(self) -> None:
         if not self.active:
