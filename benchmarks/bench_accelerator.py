@@ -178,7 +178,9 @@ def run(opts) -> dict:
     from deepspeed.accelerator import get_accelerator
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    # Always a free port of our own: a MASTER_PORT inherited from the caller (a test process
+    # whose own group already listens on it) would collide with it.
+    os.environ["MASTER_PORT"] = str(free_port())
     accel = get_accelerator()
     dist.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
     device = torch.device(accel.current_device_name())
