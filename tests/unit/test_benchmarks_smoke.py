@@ -41,6 +41,15 @@ def test_bench_gather_quick(tmp_path):
         row = report["gather"][key]
         assert row["start_stop_s"] > 0 and row["with_s"] > 0 and row["raw_allgather_s"] > 0
         assert row["ratio_vs_raw_allgather"] > 0 and row["start_stop_vs_with"] > 0
+        assert (
+            row["swap_floor_s"] > 0
+            and row["ratio_vs_swap_floor"] == row["start_stop_s"] / row["swap_floor_s"]
+        )
+    # The headline ratios are the worst P's.
+    assert report["ratio_vs_raw_allgather"] == max(
+        r["ratio_vs_raw_allgather"] for r in report["gather"].values()
+    )
+    assert report["worst_case"]["swap_floor_vs_raw_allgather"] in report["gather"]
     assert {"machine", "torch", "date"} <= report.keys()
 
 
@@ -109,6 +118,8 @@ REQUIRED_KEYS = (
     "train_step.stage2_ratio_vs_upstream",
     "train_step.stage1_ratio_vs_upstream",
     "gather.ratio_vs_raw_allgather",
+    "gather.swap_floor_vs_raw_allgather",
+    "gather.ratio_vs_swap_floor",
     "gather.ratio_vs_copy_floor",
     "gather.ratio_vs_fsdp2",
     "gather.start_stop_vs_with",
