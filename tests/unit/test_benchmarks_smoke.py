@@ -270,13 +270,18 @@ def test_run_all_quick_aio(tmp_path):
     assert "| dd_bs1M |" in out and "| thread_pool |" in out, out
     aio = json.loads((tmp_path / "latest.json").read_text())["aio"]
     assert aio["file_bytes"] == 16 * 2**20 and aio["rounds"] == 1
-    cases = {"dd_bs1M", "dd_bs16M", "thread_pool"} | (
+    cases = {"dd_bs1M", "dd_bs16M", "direct_1M", "thread_pool"} | (
         {"io_uring"} if not aio["io_uring_unavailable_reason"] else set()
     )
     assert set(aio["mib_per_s"]) == cases
     assert all(r["read"] > 0 and r["write"] > 0 for r in aio["mib_per_s"].values())
     assert aio["read_ratio_thread_pool"] > 0 and aio["write_ratio_thread_pool"] > 0
     assert aio["read_ratio"] == aio[f"read_ratio_{aio['default_backend']}"]
+    # The same-memory reference: the default backend over dd-style requests into its own buffers.
+    backend = aio["mib_per_s"][aio["default_backend"]]
+    for op in ("read", "write"):
+        same = backend[op] / aio["mib_per_s"]["direct_1M"][op]  # from rates rounded to 0.1 MiB/s
+        assert aio[f"{op}_vs_same_memory"] == pytest.approx(same, rel=0.01)
     if aio["dir_file_system"] != "tmpfs":
         assert all(aio["engine_o_direct"].values()), aio["engine_o_direct"]
     md = (tmp_path / "latest.md").read_text()
