@@ -558,7 +558,8 @@ def all_gather_into_tensor(
     if comms_logger.timing and comms_logger.idle:
         args = (output_tensor, input_tensor, group, async_op)
         return _timed(all_gather_into_tensor, args, log_name, prof, group, _nbytes(input_tensor), async_op)
-    if output_tensor.dtype == input_tensor.dtype and hierarchical.plan_for(group) is None:
+    two_hop = hierarchical.plan_for(group)  # [Note: the two-hop all-gather]
+    if two_hop is None and output_tensor.dtype == input_tensor.dtype:
         channel = _shm_channel(group, output_tensor, input_tensor)
         if channel is not None:  # the channel knows the group's size: no torch.distributed call
             _check_gather_sizes(output_tensor, input_tensor, channel.world)
@@ -566,7 +567,6 @@ def all_gather_into_tensor(
             return CommHandle()
     world, rank = get_world_size(group), get_rank(group)
     _check_gather_sizes(output_tensor, input_tensor, world)
-    two_hop = hierarchical.plan_for(group)  # [Note: the two-hop all-gather]
     if two_hop is not None:
         two_hop.all_gather(output_tensor, input_tensor)
         return CommHandle()

@@ -206,6 +206,11 @@ class TestSharedMemoryCollectives(DistributedTest):
                 in_place, in_place.view(size, n)[rank], group=group, async_op=True
             ).wait()
             assert torch.equal(in_place, full), ("in place", dtype, n)
+            # Checked on this path too, on every rank alike, before anything is sent.
+            with pytest.raises(
+                ValueError, match=f"output has {size * n + 1} elements, which is not {size} ranks"
+            ):
+                dist.all_gather_into_tensor(torch.empty(size * n + 1, dtype=dtype), others[rank], group=group)
 
             contribs = [_values(r, size * n, dtype) for r in range(size)]
             expected = contribs[0][rank * n : (rank + 1) * n].clone()
