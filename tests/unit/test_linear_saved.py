@@ -125,7 +125,7 @@ class TestLinearSavesTheParameter(DistributedTest):
                 # Every Linear's gathered weight was released with its module, and nothing
                 # (autograd's saved tensors included) shares its buffer any more.
                 assert len(taken) >= gathers, len(taken)
-                assert all(gather._storage_refs(b.buf) == b.refs for b in taken), len(taken)
+                assert all(b.storage_refs() == b.refs for b in taken), len(taken)
                 engine.backward(loss)
                 engine.step()
                 ref_opt.zero_grad()

@@ -190,12 +190,6 @@ process_state.register("deepspeed.runtime.zero.gather.SCRATCH", SCRATCH, SCRATCH
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # absent from some torch versions
 
 
-def _storage_refs(tensor: torch.Tensor) -> int:
-    """How many tensors share `tensor`'s storage; -1 where this torch cannot say."""
-    count = _STORAGE_USE_COUNT
-    return -1 if count is None else count(tensor.untyped_storage()._cdata)
-
-
 class _FullBuffer:
     """The full tensors of one run of parameters (see the note in `_FullPool`): a buffer and views of it."""
 
@@ -207,12 +201,22 @@ class _FullBuffer:
     dests: list  # [rows, size] views: the targets of the copy out of a rank-major output
     plan: BlockPlan  # how `dests` travel through shared memory, kept with them ([Note: the block layout of a gather])
     fulls: list  # each parameter's full tensor (its shape), a view of `buf`
-    refs: int  # how many tensors share `buf`'s storage when only this object holds views of it
+    refs: int  # `storage_refs()` when only this object holds views of `buf`
     live: int  # how many of the run's parameters have one of `fulls` as their data
+    pool_key: tuple  # (dtype, device): where `_FullPool` keeps it
+    _storage: Any  # `buf`'s untyped storage, kept so that counting its users makes no object
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf = buf
         self.live = 0
+        self.pool_key = (buf.dtype, buf.device)
+        self._storage = buf.untyped_storage()
+
+    def storage_refs(self) -> int:
+        """How many tensors (and storage handles, this object's own included) share `buf`'s
+        memory; -1 where this torch cannot say. One call: every release asks."""
+        count = _STORAGE_USE_COUNT
+        return -1 if count is None else count(self._storage._cdata)
 
     def lay_out(self, run: list, key: tuple, rows: int, sizes: list) -> None:
         """Make the views for `run`: parameter by parameter, a `[rows, sizes[i]]` block each,
@@ -223,7 +227,7 @@ class _FullBuffer:
         self.flat = self.buf if self.buf.shape[0] == numel else self.buf[:numel]
         self.dests, self.fulls = _views(self.flat, run, rows, sizes)
         self.plan = BlockPlan(self.flat, self.sizes)
-        self.refs = _storage_refs(self.buf)  # no temporaries left: only our views count
+        self.refs = self.storage_refs()  # no temporaries left: only our views count
 
 
 def _views(flat: torch.Tensor, run: list, rows: int, sizes: list) -> tuple:
@@ -298,9 +302,9 @@ class _FullPool:
         return fb
 
     def give_back(self, fb: _FullBuffer) -> None:
-        if fb.refs < 0 or _storage_refs(fb.buf) != fb.refs:
+        if fb.refs < 0 or fb.storage_refs() != fb.refs:
             return  # someone else still holds one of its tensors: the memory stays theirs
-        free = self._free.setdefault((fb.buf.dtype, fb.buf.device), [])
+        free = self._free.setdefault(fb.pool_key, [])
         free.append(fb)
         free.sort(key=lambda f: f.buf.shape[0])
         if len(free) > self.KEEP:
