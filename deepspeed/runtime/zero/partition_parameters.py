@@ -543,8 +543,6 @@ def _as_param_list(params: Any) -> list:
         return []
     if isinstance(params, torch.Tensor):
         return [params]
-    if isinstance(params, (list, tuple)):  # the usual case: no ABC check (slow with cold caches)
-        return list(params)
     if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
         return list(params)
     raise TypeError(
