@@ -108,14 +108,14 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from deepspeed.runtime.zero import gather, param_swap
-from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
-from deepspeed.runtime.zero.parameter import ACCESS_HOOK, is_zero_param, zero_params_in
-from deepspeed.runtime.zero.partition_parameters import (
+from deepspeed.runtime.zero.external_params import (
     external_parameters,
     named_external_parameters,
     register_external_parameter,
     unregister_external_parameter,
 )
+from deepspeed.runtime.zero.lifecycle import ZeroParamStatus
+from deepspeed.runtime.zero.parameter import ACCESS_HOOK, is_zero_param, zero_params_in
 from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
 

@@ -32,6 +32,12 @@ from deepspeed import process_state
 from deepspeed.accelerator import get_accelerator  # noqa: F401 - an upstream name clients read here
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
 from deepspeed.runtime.zero import edits, gather, param_swap
+from deepspeed.runtime.zero.external_params import (  # noqa: F401 - upstream names, re-exported
+    external_parameters,
+    named_external_parameters,
+    register_external_parameter,
+    unregister_external_parameter,
+)
 from deepspeed.runtime.zero.gather import MultipleAllGatherHandles  # noqa: F401 - upstream name
 from deepspeed.runtime.zero.lifecycle import ZeroParamStatus, ZeroParamType, shard_sizes
 from deepspeed.runtime.zero.linear import TORCH_LINEAR_MARK
@@ -749,50 +755,3 @@ class GatheredParameters:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.stop()
-
-
-# ============================================================================ external parameters
-
-
-def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:
-    """Tell the engine that `module`'s forward uses `parameter`, owned by another module.
-
-    The engine then gathers it around `module`'s forward and backward. A parameter that is
-    not partitioned (not ZeRO-3) needs nothing and is accepted as a no-op.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}"
-        )
-    if not isinstance(parameter, nn.Parameter):
-        raise TypeError(
-            f"register_external_parameter: parameter must be an nn.Parameter, got {type(parameter).__name__}"
-        )
-    if not is_zero_param(parameter):
-        return
-    external = module.__dict__.setdefault("_external_params", {})
-    external[parameter.ds_id] = parameter
-    owners = parameter._zero_state.external_owners
-    if not any(m is module for m in owners):
-        owners.append(module)
-
-
-def unregister_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:
-    external = module.__dict__.get("_external_params", {})
-    if not is_zero_param(parameter) or parameter.ds_id not in external:
-        raise ValueError(
-            f"unregister_external_parameter: {parameter!r} is not registered with {type(module).__name__}"
-        )
-    del external[parameter.ds_id]
-    owners = parameter._zero_state.external_owners
-    owners[:] = [m for m in owners if m is not module]
-
-
-def external_parameters(module: nn.Module) -> list:
-    return list(module.__dict__.get("_external_params", {}).values())
-
-
-def named_external_parameters(module: nn.Module) -> list:
-    """`module.ds_external_parameters()`, upstream's name: (key, parameter) pairs, the way
-    `named_parameters` yields them, so callers (TRL) can chain the two."""
-    return [(str(key), param) for key, param in module.__dict__.get("_external_params", {}).items()]
