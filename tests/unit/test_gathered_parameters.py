@@ -1,10 +1,12 @@
 """GatheredParameters: start()/stop() and `with` on spawned gloo groups, against plain runs."""
 
+import contextlib
 import copy as copy_module
 import gc
 import warnings
 import weakref
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -246,6 +248,44 @@ class TestGatherMechanics(DistributedTest):
         (edited,) = full_copy(layer.weight)
         assert torch.all(edited == 5.0)
 
+    @run_at(2)
+    def test_a_stop_after_a_handled_exception(self):
+        """`__exit__` knows its body did not raise (an ExitStack closed in an `except` block
+        commits); a stop() called by hand inside an `except` block cannot tell, discards the
+        edits on every rank and warns where it ran."""
+        with deepspeed.zero.Init():
+            layer = nn.Linear(4, 4)
+        try:
+            raise FileNotFoundError("no pretrained rows")
+        except FileNotFoundError:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(deepspeed.zero.GatheredParameters(layer.weight, modifier_rank=0))
+                layer.weight.data.fill_(5.0)
+                stack.close()
+        (committed,) = full_copy(layer.weight)
+        assert torch.all(committed == 5.0)
+
+        gather = deepspeed.zero.GatheredParameters(layer.weight, modifier_rank=0).start()
+        layer.weight.data.fill_(6.0)
+        rank = dist.get_rank()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if rank == 1:
+                try:
+                    raise FileNotFoundError("no pretrained rows")
+                except FileNotFoundError:
+                    gather.stop()
+            else:
+                with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\]"):
+                    gather.stop()
+        dropped = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        if rank == 1:
+            assert len(dropped) == 1 and "FileNotFoundError" in dropped[0] and "`except` block" in dropped[0]
+        else:
+            assert dropped == []
+        (after,) = full_copy(layer.weight)  # discarded on every rank, and the ranks in step
+        assert torch.all(after == 5.0) and layer.weight._zero_state.holders == 0
+
     def test_restart_and_discarded_edits(self):
         with deepspeed.zero.Init():
             layer = nn.Linear(3, 3)
@@ -349,6 +389,16 @@ class TestGatherMechanics(DistributedTest):
             deepspeed.zero.GatheredParameters(layer.weight, modifier_rank=ws)
         with pytest.raises(TypeError, match="modifier_rank='0'"):
             deepspeed.zero.GatheredParameters(layer.weight, modifier_rank="0")
+        with pytest.raises(TypeError, match="modifier_rank=True"):
+            deepspeed.zero.GatheredParameters(layer.weight, modifier_rank=True)
+        last = ws - 1  # an integer-like (numpy's, a 0-d integer tensor) is the int it holds
+        for rank in (numpy.int64(last), torch.tensor(last)):
+            gather = deepspeed.zero.GatheredParameters(layer.weight, modifier_rank=rank)
+            assert type(gather.modifier_rank) is int and gather.modifier_rank == last
+            with gather:
+                layer.weight.data.fill_(float(dist.get_rank()))
+            (edited,) = full_copy(layer.weight)
+            assert torch.all(edited == float(last))
 
 
 class TestSanityChecks(DistributedTest):
@@ -435,6 +485,24 @@ class TestGatherMisuse:
             deepspeed.zero.GatheredParameters(3, enabled=False)  # checked even when disabled
         with pytest.raises(TypeError, match="got str"):
             deepspeed.zero.GatheredParameters("weight")
+
+    def test_entries_that_are_not_tensors_raise(self):
+        """Upstream drops whatever lacks a `ds_id`: a module or named_parameters() gathered nothing."""
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        with pytest.raises(
+            TypeError, match=r"params\[0\] is a tuple; pass module.parameters\(\), not named_parameters"
+        ):
+            deepspeed.zero.GatheredParameters(model.named_parameters())
+        with pytest.raises(
+            TypeError, match=r"params\[0\] is a Linear; pass tensors \(module.parameters\(\)\)"
+        ):
+            deepspeed.zero.GatheredParameters(model)  # a Sequential iterates over its modules
+        with pytest.raises(TypeError, match=r"params\[1\] is a str"):
+            deepspeed.zero.GatheredParameters([model[0].weight, "bias"], enabled=False)
+        with pytest.raises(TypeError, match="got Linear"):
+            deepspeed.zero.GatheredParameters(model[0])
+        gather = deepspeed.zero.GatheredParameters([model[0].weight, None, model[0].bias])
+        assert gather.params == []  # None and plain tensors are still dropped: no ZeRO here
 
     def test_leak_warning(self):
         def leak():

@@ -19,8 +19,10 @@ so a client may swap it) and the `_orig_torch_*` factories.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import sys
+import warnings
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -544,16 +546,27 @@ class Init:
 
 
 def _as_param_list(params: Any) -> list:
-    """`params` as a list; its entries are filtered by `gather.zero_states` (None, plain tensors)."""
+    """`params` as a list of tensors and Nones (`gather.zero_states` keeps the ZeRO parameters).
+
+    Any other entry raises: upstream keeps what has a `ds_id` and drops the rest, so a module
+    or `named_parameters()`'s pairs gathered nothing, and the body then read `[0]` tensors.
+    """
     if params is None:
         return []
     if isinstance(params, torch.Tensor):
         return [params]
-    if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
-        return list(params)
-    raise TypeError(
-        f"GatheredParameters: params must be a tensor or an iterable of tensors, got {type(params).__name__}"
-    )
+    if not isinstance(params, Iterable) or isinstance(params, (str, bytes)):
+        raise TypeError(
+            f"GatheredParameters: params must be a tensor or an iterable of tensors (module.parameters(), "
+            f"a list), got {type(params).__name__}"
+        )
+    items = list(params)
+    for i, item in enumerate(items):
+        if item is not None and not isinstance(item, torch.Tensor):
+            pair = isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+            hint = "module.parameters(), not named_parameters()" if pair else "tensors (module.parameters())"
+            raise TypeError(f"GatheredParameters: params[{i}] is a {type(item).__name__}; pass {hint}")
+    return items
 
 
 class GatherHold:
@@ -622,7 +635,7 @@ class GatheredParameters:
         self._exception_at_start: Optional[BaseException] = None
         self._sanity_checks = False  # read by start() for stop() (an engine may turn them on in between)
         if self._states:
-            self._check_modifier_rank(modifier_rank)
+            self.modifier_rank = modifier_rank = self._checked_modifier_rank(modifier_rank)
             if fwd_module is not None:
                 for s in self._states:
                     register_external_parameter(fwd_module, s.param)
@@ -632,19 +645,25 @@ class GatheredParameters:
     def _describe(self) -> str:
         return repr(self._hold)
 
-    def _check_modifier_rank(self, modifier_rank: Optional[int]) -> None:
+    def _checked_modifier_rank(self, modifier_rank: Any) -> Optional[int]:
+        """`modifier_rank` as an int (an integer-like such as numpy.int64 too), after checking it."""
         if modifier_rank is None:
-            return
-        if not isinstance(modifier_rank, int) or isinstance(modifier_rank, bool):
+            return None
+        try:
+            rank = None if isinstance(modifier_rank, bool) else operator.index(modifier_rank)
+        except TypeError:
+            rank = None
+        if rank is None:
             raise TypeError(
                 f"GatheredParameters: modifier_rank={modifier_rank!r} must be an int rank or None"
             )
         for s in self._states:
-            if not 0 <= modifier_rank < s.world_size:
+            if not 0 <= rank < s.world_size:
                 raise ValueError(
-                    f"GatheredParameters: modifier_rank={modifier_rank} is outside parameter ds_id={s.ds_id}'s "
+                    f"GatheredParameters: modifier_rank={rank} is outside parameter ds_id={s.ds_id}'s "
                     f"group of {s.world_size} ranks; pass a rank in [0, {s.world_size}) or None"
                 )
+        return rank
 
     @property
     def params(self) -> list:
@@ -690,15 +709,22 @@ class GatheredParameters:
         With `modifier_rank`, stop broadcasts the modifier's tensors. If the body raised on
         some ranks and not on others, the ranks would go separate ways after the broadcast and
         the next collective would hang. So the ranks first agree, in one small all-reduce,
-        whether the body raised anywhere (stop() sees an exception that is propagating through
-        `__exit__` or a `finally`); if it did, every rank discards the edits and the ranks
-        whose body succeeded raise an error naming the ranks that failed.
+        whether the body raised anywhere; if it did, every rank discards the edits and the
+        ranks whose body succeeded raise an error naming the ranks that failed. `__exit__` is
+        told whether its body raised. A `stop()` called by hand counts the body as failed
+        when an exception is being handled that was not at `start()`: Python tells a
+        `finally` that an exception passes through from an `except` block that caught it in
+        no way, so a `stop()` inside an `except` block discards the edits too, and warns so.
         """
+        raising = sys.exc_info()[1]
+        self._stop(None if raising is self._exception_at_start else raising, told=False)
+
+    def _stop(self, raised: Optional[BaseException], told: bool) -> None:
+        """`stop()` once it knows whether the body raised (`told`: by `__exit__`'s arguments)."""
         self._tracker.end()
         if not self._states:
             return
-        raising = sys.exc_info()[1]
-        failed_here = raising is not None and raising is not self._exception_at_start
+        failed_here = raised is not None
         states, updated = self._states, False
         try:
             self._hold.handle.wait()
@@ -725,6 +751,15 @@ class GatheredParameters:
                     raise RuntimeError(
                         f"{self._describe()}: the body raised or replaced a parameter on rank(s) {failed}; "
                         "the edits were discarded on every rank (see the error on those ranks)"
+                    )
+                elif not told:  # maybe an exception the caller handled: say what was dropped
+                    warnings.warn(
+                        f"{self._describe()}.stop() ran while {raised!r} was being raised or handled, so the "
+                        "body counts as failed and its edits were discarded on every rank; if that exception "
+                        "was handled (stop() inside an `except` block), call stop() after the block, or use "
+                        "the `with` form, which tells the two apart",
+                        RuntimeWarning,
+                        stacklevel=3,
                     )
             elif self._sanity_checks:
                 self._raise_on_discarded_edits(states)
@@ -754,4 +789,4 @@ class GatheredParameters:
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.stop()
+        self._stop(exc, told=True)
