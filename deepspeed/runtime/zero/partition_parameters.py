@@ -710,17 +710,21 @@ class GatheredParameters:
         some ranks and not on others, the ranks would go separate ways after the broadcast and
         the next collective would hang. So the ranks first agree, in one small all-reduce,
         whether the body raised anywhere; if it did, every rank discards the edits and the
-        ranks whose body succeeded raise an error naming the ranks that failed. `__exit__` is
-        told whether its body raised. A `stop()` called by hand counts the body as failed
-        when an exception is being handled that was not at `start()`: Python tells a
-        `finally` that an exception passes through from an `except` block that caught it in
-        no way, so a `stop()` inside an `except` block discards the edits too, and warns so.
+        ranks whose body succeeded raise an error naming the ranks that failed. Called by
+        `__exit__` (a `with`, an ExitStack), stop reads the exception `__exit__` was given,
+        from its frame: `__exit__` only calls `stop()` (the two forms share one path). Called
+        by hand, it counts the body as failed when an exception is being handled that was
+        not at `start()`: Python tells a `finally` that an exception passes through from an
+        `except` block that caught it in no way, so a `stop()` inside an `except` block
+        discards the edits too, and warns so.
         """
-        raising = sys.exc_info()[1]
-        self._stop(None if raising is self._exception_at_start else raising, told=False)
-
-    def _stop(self, raised: Optional[BaseException], told: bool) -> None:
-        """`stop()` once it knows whether the body raised (`told`: by `__exit__`'s arguments)."""
+        caller = sys._getframe(1)
+        told = caller.f_code is _WITH_EXIT
+        if told:
+            raised = caller.f_locals["exc"]
+        else:
+            raised = sys.exc_info()[1]
+            raised = None if raised is self._exception_at_start else raised
         self._tracker.end()
         if not self._states:
             return
@@ -789,4 +793,7 @@ class GatheredParameters:
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._stop(exc, told=True)
+        self.stop()
+
+
+_WITH_EXIT = GatheredParameters.__exit__.__code__  # how stop() knows `__exit__` called it
