@@ -763,7 +763,7 @@ class GatheredParameters:
                         "was handled (stop() inside an `except` block), call stop() after the block, or use "
                         "the `with` form, which tells the two apart",
                         RuntimeWarning,
-                        stacklevel=3,
+                        stacklevel=2,
                     )
             elif self._sanity_checks:
                 self._raise_on_discarded_edits(states)
