@@ -9,7 +9,7 @@ through the `CheckpointEngine` interface.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -47,7 +47,8 @@ def load_checkpoint(
     trust_checkpoint: bool,
 ) -> tuple:
     """`engine.load_checkpoint` (see its docstring): `(path, client_state)` or `(None, None)`."""
-    ckpt_dir = rank_phases.on_all_ranks(
+    # Compared with the tag each rank asked for, so a disagreement names it.
+    _, ckpt_dir = rank_phases.on_all_ranks(
         "load_checkpoint", _resolve_checkpoint_dir, engine, load_dir, tag, agree=True
     )
     if ckpt_dir is None:
@@ -75,8 +76,13 @@ def _in_loading_turns(engine: CheckpointEngine, load) -> Any:
     return rank_phases.in_turns_per_node(load)
 
 
-def _resolve_checkpoint_dir(engine: CheckpointEngine, load_dir: str, tag: Any) -> Optional[str]:
-    rank0 = engine.checkpoint_rank_and_world()[0] == 0
+def _resolve_checkpoint_dir(engine: CheckpointEngine, load_dir: str, tag: Any) -> tuple:
+    """`(the tag asked for, the checkpoint folder or None)`."""
+    asked, rank0 = tag, engine.checkpoint_rank_and_world()[0] == 0
+    if not os.path.isdir(load_dir):
+        if rank0:
+            logger.warning(f"Checkpoint folder {load_dir} does not exist; nothing was loaded")
+        return asked, None
     if tag is None:
         tag = layout.read_latest(load_dir)
         if tag is None:
@@ -85,13 +91,13 @@ def _resolve_checkpoint_dir(engine: CheckpointEngine, load_dir: str, tag: Any) -
                     f"Unable to find latest file at {os.path.join(load_dir, layout.LATEST_FILE)}; "
                     "pass tag= to load a specific checkpoint. Nothing was loaded."
                 )
-            return None
+            return asked, None
     ckpt_dir = os.path.join(load_dir, str(tag))
     if not os.path.isdir(ckpt_dir):
         if rank0:
             logger.warning(f"Checkpoint {ckpt_dir} does not exist; nothing was loaded")
-        return None
-    return ckpt_dir
+        return asked, None
+    return asked, ckpt_dir
 
 
 def _open_checkpoint(

@@ -49,7 +49,8 @@ def on_all_ranks(what: str, fn: Callable, *args: Any, agree: bool = False) -> An
     if agree and any(res != outcomes[0][1] for _, res in outcomes):
         answers = ", ".join(f"rank {r}: {res!r}" for r, (_, res) in enumerate(outcomes))
         raise CheckpointError(
-            f"{what}: the ranks disagree ({answers}); is the directory shared by all ranks?"
+            f"{what}: the ranks disagree ({answers}); every rank must pass the same arguments and see "
+            "the same files (one directory shared by all ranks)"
         )
     return result
 

@@ -104,6 +104,8 @@ def get_optim_files(checkpoint_dir: str) -> list:
 
 
 def _tag_dir(checkpoint_dir: str, tag: Optional[str]) -> str:
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Checkpoint folder '{checkpoint_dir}' does not exist")
     if tag is None:
         tag = read_latest(checkpoint_dir)
         if tag is None:

@@ -118,8 +118,9 @@ def resolve_batch_sizes(
         micro, gas = micro or 1, gas or 1
         train = micro * gas * world_size
     elif micro is None:
+        names = "gradient_accumulation_steps * world_size" if gas else "world_size (no gradient accumulation)"
         gas = gas or 1
-        micro = _divide(train, gas * world_size, "gradient_accumulation_steps * world_size", given)
+        micro = _divide(train, gas * world_size, names, given)
     elif gas is None:
         gas = _divide(train, micro * world_size, "train_micro_batch_size_per_gpu * world_size", given)
     if train != micro * gas * world_size:

@@ -26,6 +26,7 @@ from torch import nn
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.checkpoint import layout, sharded
+from deepspeed.checkpoint import load as checkpoint_load
 from deepspeed.checkpoint.errors import CheckpointError
 from deepspeed.checkpoint.layout import model_states_name, optim_states_name
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
@@ -274,10 +275,21 @@ class TestElasticLoad(DistributedTest):
                 assert p.dtype == torch.bfloat16
                 assert torch.equal(p.data, reference["saved"][name].to(torch.bfloat16)), name
 
-    def test_nothing_to_load_returns_none(self, tmp_path):
+    def test_nothing_to_load_returns_none(self, tmp_path, two_rank_checkpoint, monkeypatch):
+        warned = []
+        monkeypatch.setattr(
+            checkpoint_load.logger, "warning", lambda message, *a, **k: warned.append(message)
+        )
         engine = build(train_config())
         assert engine.load_checkpoint(str(tmp_path)) == (None, None)  # no `latest`
         assert engine.load_checkpoint(str(tmp_path), tag="absent") == (None, None)
+        assert engine.load_checkpoint(str(tmp_path / "typo")) == (None, None)  # no such folder
+        if dist.get_rank() == 0:  # the warnings are rank 0's
+            assert len(warned) == 3 and "typo does not exist" in warned[2], warned
+        if dist.get_world_size() > 1:  # one rank asks for a tag that is not there: named everywhere
+            tag = f"global_step{SAVE_STEPS}" if dist.get_rank() == 0 else "nope"
+            with pytest.raises(CheckpointError, match=r"ranks disagree.*'nope'.*the same arguments"):
+                engine.load_checkpoint(two_rank_checkpoint, tag=tag)
 
 
 # ============================================================================ zero_to_fp32 (no torch.distributed)
@@ -326,6 +338,8 @@ def test_zero_to_fp32_cli_writes_bin_and_safetensors(two_rank_checkpoint, tmp_pa
         merged.update(load_file(str(out_dir / shard)))
     assert_equal_params(merged, expected)
     assert zero_to_fp32.main([str(tmp_path / "nowhere"), str(tmp_path / "x.bin")]) == 1
+    with pytest.raises(FileNotFoundError, match="nowhere' does not exist"):
+        zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "nowhere"))
 
 
 def test_zero_to_fp32_takes_upstreams_arguments(two_rank_checkpoint, tmp_path, capfd, caplog):

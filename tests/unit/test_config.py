@@ -317,6 +317,8 @@ def test_batch_mismatch_names_all_values():
 def test_batch_not_divisible():
     with pytest.raises(ValueError, match=r"train_batch_size=10.*not divisible by.*= 12"):
         DeepSpeedConfig({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3}, world_size=4)
+    with pytest.raises(ValueError, match=r"not divisible by world_size \(no gradient accumulation\) = 2"):
+        DeepSpeedConfig({"train_batch_size": 7}, world_size=2)
 
 
 def test_no_batch_size_given():
