@@ -348,6 +348,11 @@ def convert_zero_checkpoint_to_state_dict(
         os.makedirs(parent, exist_ok=True)
         _write_weights(state_dict, output_dir, safe)
         return [output_dir]
+    if os.path.splitext(str(output_dir))[1] and not os.path.isdir(output_dir):
+        logger.warning(
+            f"zero_to_fp32: {output_dir} does not end in {'/'.join(_FILE_SUFFIXES)}, so it is taken as a "
+            "folder to write the weights into"
+        )
     return _write_folder(state_dict, output_dir, limit, safe_serialization, quiet)
 
 

@@ -342,6 +342,17 @@ def test_zero_to_fp32_cli_writes_bin_and_safetensors(two_rank_checkpoint, tmp_pa
         zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "nowhere"))
 
 
+def test_zero_to_fp32_says_when_an_output_name_is_taken_as_a_folder(
+    two_rank_checkpoint, tmp_path, capfd, caplog
+):
+    with caplog.at_level(logging.WARNING):
+        assert zero_to_fp32.main([two_rank_checkpoint, str(tmp_path / "out.txt")]) == 0
+    captured = capfd.readouterr()
+    logged = captured.out + captured.err + caplog.text
+    assert "out.txt does not end in .bin/.pt/.pth/.safetensors" in logged
+    assert (tmp_path / "out.txt" / "pytorch_model.bin").is_file()
+
+
 def test_zero_to_fp32_takes_upstreams_arguments(two_rank_checkpoint, tmp_path, capfd, caplog):
     """Upstream 0.19's signatures: `lazy_mode` fourth (a positional True must not mean
     trust_checkpoint, which is keyword-only everywhere), `convert_zero_checkpoint_to_state_dict`
