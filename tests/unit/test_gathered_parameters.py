@@ -288,6 +288,18 @@ class TestGatherMechanics(DistributedTest):
         (after,) = full_copy(layer.weight)  # discarded on every rank, and the ranks in step
         assert torch.all(after == 5.0) and layer.weight._zero_state.holders == 0
 
+    @run_at(2)
+    def test_math_on_a_partitioned_parameter_names_the_cause(self):
+        with deepspeed.zero.Init():
+            layer = nn.Linear(4, 3)
+        with pytest.raises(RuntimeError) as caught:  # the kernel's own error, kept as it was
+            layer(torch.ones(2, 4))
+        notes = "\n".join(getattr(caught.value, "__notes__", []))
+        assert "partitioned here" in notes and f"ds_id={layer.weight.ds_id} (3, 4)" in notes
+        assert "GatheredParameters" in notes
+        with deepspeed.zero.GatheredParameters(list(layer.parameters())):
+            assert layer(torch.ones(2, 4)).shape == (2, 3)  # gathered: no dispatch, no note
+
     def test_restart_and_discarded_edits(self):
         with deepspeed.zero.Init():
             layer = nn.Linear(3, 3)

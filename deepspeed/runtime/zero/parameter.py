@@ -197,6 +197,23 @@ def _contiguous_strides(shape: torch.Size) -> tuple:
     return tuple(reversed(strides))
 
 
+def _note_partitioned(err: RuntimeError, args: tuple, kwargs: dict) -> None:
+    """Name the cause when a torch function failed on a partitioned parameter: the kernel's own
+    message ("mat2 must be a matrix, got 1-D tensor") says nothing of ZeRO. The error keeps
+    its type and message; the note is added where Python has notes (3.11+)."""
+    partitioned = [
+        a
+        for a in (*args, *kwargs.values())
+        if isinstance(a, ZeroParameter) and a._zero_state.status is ZeroParamStatus.NOT_AVAILABLE
+    ]
+    if partitioned and hasattr(err, "add_note"):
+        shapes = ", ".join(f"ds_id={a.ds_id} {tuple(a.ds_shape)}" for a in partitioned)
+        err.add_note(
+            f"ZeRO-3: partitioned here (data: the [0] placeholder): {shapes}; call the model through "
+            "the engine deepspeed.initialize returns, or gather with deepspeed.zero.GatheredParameters"
+        )
+
+
 class _ItemRead:
     """The owner of the hold `ZeroParameter.item()` takes for the length of one read."""
 
@@ -218,7 +235,11 @@ class ZeroParameter(nn.Parameter):
                 return result
         # As nn.Parameter does: run the function without subclass dispatch, results are plain tensors.
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as err:
+                _note_partitioned(err, args, kwargs)
+                raise
 
     @property
     def ds_id(self) -> int:
