@@ -8,8 +8,9 @@ through the `CheckpointEngine` interface.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -47,10 +48,9 @@ def load_checkpoint(
     trust_checkpoint: bool,
 ) -> tuple:
     """`engine.load_checkpoint` (see its docstring): `(path, client_state)` or `(None, None)`."""
-    # Compared with the tag each rank asked for, so a disagreement names it.
-    _, ckpt_dir = rank_phases.on_all_ranks(
+    ckpt_dir = rank_phases.on_all_ranks(
         "load_checkpoint", _resolve_checkpoint_dir, engine, load_dir, tag, agree=True
-    )
+    ).ckpt_dir
     if ckpt_dir is None:
         return None, None
     load_optim = engine.checkpoint_optimizer() is not None and load_optimizer_states and not load_module_only
@@ -76,13 +76,21 @@ def _in_loading_turns(engine: CheckpointEngine, load) -> Any:
     return rank_phases.in_turns_per_node(load)
 
 
-def _resolve_checkpoint_dir(engine: CheckpointEngine, load_dir: str, tag: Any) -> tuple:
-    """`(the tag asked for, the checkpoint folder or None)`."""
+@dataclasses.dataclass(frozen=True)
+class _Resolved:
+    """Where a rank's `load_checkpoint` arguments led. The ranks must agree on the folder only
+    (one may name the tag `latest` names); a disagreement prints `asked` too, naming each tag."""
+
+    ckpt_dir: Optional[str]
+    asked: Any = dataclasses.field(compare=False)
+
+
+def _resolve_checkpoint_dir(engine: CheckpointEngine, load_dir: str, tag: Any) -> _Resolved:
     asked, rank0 = tag, engine.checkpoint_rank_and_world()[0] == 0
     if not os.path.isdir(load_dir):
         if rank0:
             logger.warning(f"Checkpoint folder {load_dir} does not exist; nothing was loaded")
-        return asked, None
+        return _Resolved(None, asked)
     if tag is None:
         tag = layout.read_latest(load_dir)
         if tag is None:
@@ -91,13 +99,13 @@ def _resolve_checkpoint_dir(engine: CheckpointEngine, load_dir: str, tag: Any) -
                     f"Unable to find latest file at {os.path.join(load_dir, layout.LATEST_FILE)}; "
                     "pass tag= to load a specific checkpoint. Nothing was loaded."
                 )
-            return asked, None
+            return _Resolved(None, asked)
     ckpt_dir = os.path.join(load_dir, str(tag))
     if not os.path.isdir(ckpt_dir):
         if rank0:
             logger.warning(f"Checkpoint {ckpt_dir} does not exist; nothing was loaded")
-        return asked, None
-    return asked, ckpt_dir
+        return _Resolved(None, asked)
+    return _Resolved(ckpt_dir, asked)
 
 
 def _open_checkpoint(

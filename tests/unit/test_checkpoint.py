@@ -290,6 +290,9 @@ class TestElasticLoad(DistributedTest):
             tag = f"global_step{SAVE_STEPS}" if dist.get_rank() == 0 else "nope"
             with pytest.raises(CheckpointError, match=r"ranks disagree.*'nope'.*the same arguments"):
                 engine.load_checkpoint(two_rank_checkpoint, tag=tag)
+            # Naming the tag `latest` names, beside a rank that lets `latest` name it, is one folder.
+            latest = f"global_step{SAVE_STEPS}" if dist.get_rank() == 0 else None
+            assert engine.load_checkpoint(two_rank_checkpoint, tag=latest)[0] is not None
 
 
 # ============================================================================ zero_to_fp32 (no torch.distributed)
