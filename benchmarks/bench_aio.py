@@ -11,7 +11,8 @@ same directory: `dd if=/dev/zero of=F bs=B count=N oflag=direct conv=fsync` for 
 the disk's figure. fio is not needed. O_DIRECT on both sides means the page cache holds
 none of the file, so no cache needs dropping (which takes root).
 
-The engine writes a page-aligned buffer (new_cpu_locked_tensor, so its ops are O_DIRECT)
+The engine writes a page-aligned buffer (new_cpu_locked_tensor, so its ops are O_DIRECT;
+at 2 MiB and more it is in transparent huge pages, see py_aio.cpp)
 with sync_pwrite and then fsyncs the file, and reads it back with sync_pread; each backend
 with its own handle: io_uring with one lane of `--queue-depth` requests in flight, the
 thread pool with `--pool-threads` workers (one request in flight each). Every write

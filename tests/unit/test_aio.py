@@ -18,6 +18,7 @@ import torch
 
 from deepspeed.ops.aio import AsyncIOBuilder
 from deepspeed.ops.op_builder import ALL_OPS
+from deepspeed.runtime import huge_pages
 
 pytestmark = pytest.mark.skipif(not AsyncIOBuilder().is_compatible(), reason="async_io cannot be built here")
 
@@ -130,6 +131,27 @@ def test_locked_tensors_use_o_direct_and_other_dtypes_round_trip(aio, backend, t
     h.sync_pwrite(part, str(tmp_path / "g.bin"))
     assert h.io_stats()["buffered_ops"] >= 1
     assert torch.equal(file_bytes(str(tmp_path / "g.bin")), part.view(torch.uint8))
+
+
+def test_large_locked_tensors_are_in_huge_pages(aio, tmp_path):
+    """A locked buffer of at least 2 MiB starts on a 2 MiB boundary and, where transparent huge
+    pages work, is backed by them ([Note: locked buffers in huge pages] in py_aio.cpp)."""
+    h = handle(aio, "thread_pool", BLOCK, 8, False, False, 2)
+    small = h.new_cpu_locked_tensor(1000, torch.empty(0, dtype=torch.float32))
+    assert small.data_ptr() % 4096 == 0 and small.numel() == 1000
+    before = huge_pages.anon_huge_page_bytes()
+    big = h.new_cpu_locked_tensor((16 << 20) + 12345, torch.empty(0, dtype=torch.uint8))  # 8 pages + a tail
+    assert big.numel() == (16 << 20) + 12345 and big.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    big.fill_(7)  # faults in whatever mlock did not (the memlock limit may refuse it)
+    if huge_pages.huge_pages_available():
+        grown = huge_pages.anon_huge_page_bytes() - before
+        # The kernel falls back to small pages when it finds no free 2 MiB block; most must be huge.
+        assert grown >= 4 * huge_pages.HUGE_PAGE_BYTES, grown
+    path = str(tmp_path / "big.bin")
+    h.sync_pwrite(big, path)
+    back = h.new_cpu_locked_tensor(big.numel(), big)
+    h.sync_pread(back, path)
+    assert torch.equal(back, big) and torch.equal(file_bytes(path), big)
 
 
 def test_many_requests_in_flight_and_offsets(aio, backend, tmp_path):
