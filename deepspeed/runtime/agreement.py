@@ -14,6 +14,7 @@ what differs, on which ranks, and the first differing entry; every rank then rai
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any, Optional
 
 import torch
@@ -83,3 +84,29 @@ def describe_parameters(named: list, shape_of: Optional[Any] = None) -> list:
     """One `name shape dtype` string per `(name, parameter)`: what ranks must agree on."""
     shape_of = shape_of or (lambda p: tuple(p.shape))
     return [f"{name} {tuple(shape_of(p))} {p.dtype}" for name, p in named]
+
+
+# Config keys a rank may set for itself: where its swap files go (one NVMe drive per GPU,
+# `nvme_path: /mnt/nvme<LOCAL_RANK>`, is the usual layout); every other key must agree.
+RANK_LOCAL_CONFIG_KEYS = (
+    ("zero_optimization", "offload_optimizer", "nvme_path"),
+    ("zero_optimization", "offload_param", "nvme_path"),
+)
+
+
+def describe_config(param_dict: dict) -> str:
+    """The config as one string the ranks must agree on: sorted JSON, without the keys in
+    `RANK_LOCAL_CONFIG_KEYS` (objects in it by their type's name)."""
+    for path in RANK_LOCAL_CONFIG_KEYS:
+        param_dict = _without(param_dict, path)
+    return "config " + json.dumps(param_dict, sort_keys=True, default=lambda o: type(o).__name__)
+
+
+def _without(block: Any, path: tuple) -> Any:
+    """`block` with the key at `path` removed, copying only the dicts along the path."""
+    head, rest = path[0], path[1:]
+    if not isinstance(block, dict) or head not in block:
+        return block
+    if not rest:
+        return {k: v for k, v in block.items() if k != head}
+    return {**block, head: _without(block[head], rest)}

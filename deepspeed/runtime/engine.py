@@ -14,7 +14,6 @@ Upstream's config queries and small controls live in `engine_queries.py`.
 from __future__ import annotations
 
 import contextlib
-import json
 from typing import Any, Optional
 
 import torch
@@ -30,7 +29,7 @@ from deepspeed.profiling.flops_profiler.engine_hooks import (
     profile_forward_begins,
     profile_step_ends,
 )
-from deepspeed.runtime.agreement import check_agreement, describe_parameters
+from deepspeed.runtime.agreement import check_agreement, describe_config, describe_parameters
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine_queries import EngineQueries, train_dtype
 from deepspeed.runtime.forward_prologue import forward_prologue, report_progress
@@ -148,12 +147,13 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
 
         Everything the engine does next sizes collectives from them (runtime/agreement.py).
         """
-        config = json.dumps(self._config._param_dict, sort_keys=True, default=lambda o: type(o).__name__)
         shape_of = lambda p: p.ds_shape if is_zero_param(p) else p.shape  # noqa: E731
         check_agreement(
             "deepspeed.initialize: the config and the model's parameters",
-            [f"config {config}"] + describe_parameters(list(model.named_parameters()), shape_of),
-            fix="Every rank must pass the same config and build the same model, parameters in the same order.",
+            [describe_config(self._config._param_dict)]
+            + describe_parameters(list(model.named_parameters()), shape_of),
+            fix="Every rank must pass the same config (nvme_path aside) and build the same model, "
+            "parameters in the same order.",
         )
 
     def _settle_live_gathers(self) -> None:

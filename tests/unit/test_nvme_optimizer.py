@@ -18,6 +18,8 @@ import torch
 
 import deepspeed
 import deepspeed.comm as dist
+import deepspeed.runtime.agreement
+from deepspeed.runtime.config_utils import DeepSpeedConfigError
 from deepspeed.runtime.swap_tensor.swap_store import AioSettings, SwapSpaceError, SwapStore
 from deepspeed.runtime.zero.nvme_optimizer import (
     OptimizerSwapper,
@@ -376,6 +378,42 @@ class TestNvmeSetupFailures(DistributedTest):
             build(1, "nvme", folder, pipeline=(True, True), buffer_count=4)
         with pytest.raises(ValueError, match=r"offload_optimizer.device='nvme' needs nvme_path"):
             build(1, "nvme", None)
+        with pytest.raises(DeepSpeedConfigError, match=r"aio.single_submit='yes' must be true or false"):
+            build(1, "nvme", folder, aio={"single_submit": "yes"})
+
+    def test_each_rank_may_swap_to_its_own_drive(self, tmp_path):
+        """nvme_path may differ by rank (one drive per GPU); the rest of the config must agree."""
+        mine = tmp_path / f"nvme{dist.get_rank()}"
+        mine.mkdir()
+        engine = build(2, "nvme", mine)
+        train(engine, batches(1))
+        assert engine.optimizer.swapper.store.folder.parent.parent == mine / "zero_swap"
+        engine.optimizer.swapper.close()
+        with pytest.raises(deepspeed.runtime.agreement.RankMismatchError, match="sub_group_size"):
+            build(2, "nvme", mine, sub_group_size=300 + dist.get_rank())
+
+
+def test_aio_block_values_are_checked_by_key():
+    assert AioSettings.from_block({"intra_op_parallelism": 3}).thread_count == 3
+    assert AioSettings.from_block({"thread_count": 2}).thread_count == 2  # the older name
+    assert AioSettings.from_block({"thread_count": 2, "intra_op_parallelism": 2}).thread_count == 2
+    assert AioSettings.from_block(None) == AioSettings()
+    bad = [
+        ({"queue_depth": 1.5}, r"aio.queue_depth=1.5 must be a whole number >= 1"),
+        ({"block_size": 0}, r"aio.block_size=0 must be a whole number >= 1"),
+        ({"intra_op_parallelism": True}, r"aio.intra_op_parallelism=True must be a whole number"),
+        ({"overlap_events": 1}, r"aio.overlap_events=1 must be true or false"),
+        ({"thread_count": 1, "intra_op_parallelism": 4}, r"intra_op_parallelism=4 and aio.thread_count=1"),
+    ]
+    for block, message in bad:
+        with pytest.raises(DeepSpeedConfigError, match=message):
+            AioSettings.from_block(block)
+
+
+def test_a_swap_folder_that_cannot_be_made_names_nvme_path(tmp_path):
+    (tmp_path / "zero_swap").write_text("a file where the swap folder goes")
+    with pytest.raises(FileExistsError, match=r"nvme_path '.*': cannot create the swap folder 'zero_swap'"):
+        SwapStore(tmp_path, "optimizer", AioSettings())
 
 
 def test_buffer_minimum_and_kinds():

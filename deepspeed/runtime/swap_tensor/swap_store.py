@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from deepspeed.runtime.config_utils import DeepSpeedConfigError
+
 __all__ = ["AioSettings", "PinnedBufferPool", "SwapSpaceError", "SwapStore", "io_size"]
 
 # Direct I/O needs the buffer, the byte count and the file offset on this boundary; files are
@@ -54,12 +56,26 @@ class AioSettings:
 
     @classmethod
     def from_block(cls, block: Optional[dict]) -> AioSettings:
+        """The settings of the config's `aio` block; a value of the wrong type, or below 1,
+        raises `DeepSpeedConfigError` naming its key (the config checked the key names)."""
         block = dict(block or {})
-        # `intra_op_parallelism` is upstream's newer name for `thread_count`; either may be set.
+        for key, value in block.items():
+            if key in ("single_submit", "overlap_events", "use_gds"):
+                if not isinstance(value, bool):
+                    raise DeepSpeedConfigError(f"aio.{key}={value!r} must be true or false")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DeepSpeedConfigError(f"aio.{key}={value!r} must be a whole number >= 1")
+        # `intra_op_parallelism` is upstream's name since 0.15; `thread_count`, the older one,
+        # counts where it is the only one.
         threads = block.pop("intra_op_parallelism", None)
-        threads = block.pop("thread_count", threads if threads is not None else 1)
+        older = block.pop("thread_count", None)
+        if threads is not None and older is not None and threads != older:
+            raise DeepSpeedConfigError(
+                f"aio.intra_op_parallelism={threads} and aio.thread_count={older} set the same thing "
+                "(thread_count is its older name); keep intra_op_parallelism only"
+            )
         block.pop("use_gds", None)  # refused by the config when true; False changes nothing
-        return cls(thread_count=int(threads), **block)
+        return cls(thread_count=threads or older or 1, **block)
 
     def handle(self):
         from deepspeed.ops.aio import AsyncIOBuilder
@@ -114,7 +130,13 @@ class SwapStore:
             )
         if not os.access(root, os.W_OK | os.X_OK):
             raise PermissionError(f"nvme_path {str(root)!r} is not writable by this process")
-        (root / _SWAP_DIR).mkdir(exist_ok=True)
+        try:
+            (root / _SWAP_DIR).mkdir(exist_ok=True)
+        except OSError as exc:  # writable by mode, refused anyway (/sys, a read-only mount)
+            raise type(exc)(
+                exc.errno, f"nvme_path {str(root)!r}: cannot create the swap folder {_SWAP_DIR!r} in it "
+                f"({exc.strerror}); point nvme_path at a folder on the drive to swap to"
+            ) from exc
         _remove_dead_folders(root / _SWAP_DIR)
         self.folder = root / _SWAP_DIR / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}" / name
         self.folder.mkdir(parents=True)
