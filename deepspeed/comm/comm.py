@@ -42,7 +42,6 @@ _REDUCE_SCATTER_SINGLE = getattr(_dist, "reduce_scatter_single", None) or _dist.
 # ([Note: all-gather on gloo]); below it the native all-gather's single round trip wins.
 GLOO_BROADCAST_MIN_BYTES = 256 * 1024
 
-
 # Times and records collectives while enabled ([Note: the communication logger] in
 # utils/comms_logging.py); `log_summary` and the other readers are in comms_api.py.
 comms_logger = CommsLogger()
@@ -135,8 +134,9 @@ def init_distributed(
 
     Rank and world size come from the arguments, else `RANK` / `WORLD_SIZE`; a process with
     neither is treated as a single-process job (rank 0 of 1) so plain scripts run unchanged.
-    `MASTER_ADDR` / `MASTER_PORT` default to 127.0.0.1 and `distributed_port`. `timeout`
-    defaults to `DEEPSPEED_TIMEOUT` minutes (30), after which a missing peer is an error.
+    `MASTER_ADDR` / `MASTER_PORT` default to 127.0.0.1 and `distributed_port` (for a single
+    process, a free port if that one is busy). `timeout` defaults to `DEEPSPEED_TIMEOUT`
+    minutes (30), after which a missing peer is an error.
     With `auto_mpi_discovery` (the default) and no RANK / WORLD_SIZE, a process started by
     mpirun or srun takes them from the MPI / Slurm variables (`env_discovery.py`).
     """
@@ -168,6 +168,10 @@ def init_distributed(
     if not 0 <= rank_value < world_value:
         raise ValueError(f"init_distributed: RANK={rank_value} is outside [0, WORLD_SIZE={world_value})")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if world_value == 1 and "MASTER_PORT" not in os.environ:  # no peer to agree on a port with
+        from deepspeed.launcher.launch import lone_rendezvous_port
+
+        distributed_port = lone_rendezvous_port(distributed_port)
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     # Launchers set LOCAL_RANK; a hand-started single-node job gets its global rank.
     os.environ.setdefault("LOCAL_RANK", str(rank_value))

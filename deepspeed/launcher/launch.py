@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -246,6 +247,35 @@ def visible_devices_env(device_ids: list[int]) -> dict[str, str]:
     return env
 
 
+def port_is_free(port: int) -> bool:
+    """Whether a rendezvous store could listen on `port` now.
+
+    SO_REUSEADDR as torch's TCPStore sets it: the connections a finished job leaves in
+    TIME_WAIT (about a minute on Linux) do not stop the store from listening, so they must not
+    make the port look busy either; a live listener still does.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port no one listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def lone_rendezvous_port(port: int) -> int:
+    """The port a single-process job listens on: `port`, or any free one where `port` is busy
+    (another job's rendezvous on 29500): with no peer, nobody else needs to know it."""
+    return port if port_is_free(port) else free_port()
+
+
 def _exit_code(returncode: int) -> int:
     """A child killed by signal N reports -N; a shell would say 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -310,12 +340,14 @@ class Supervisor:
             except (ProcessLookupError, PermissionError):
                 pass  # the child and everything it started are gone already
 
-    def _first_failure(self) -> Optional[int]:
-        for index, proc in enumerate(self._procs):
-            code = proc.poll()
-            if code is not None and code != 0:
-                return index
-        return None
+    def _failures(self) -> list:
+        """Indices of the children that exited with a non-zero code, in rank order."""
+        return [i for i, proc in enumerate(self._procs) if proc.poll() not in (None, 0)]
+
+    def _describe_exit(self, index: int) -> str:
+        child, code = self.children[index], self._procs[index].returncode
+        where = f" (its output: {child.log_path})" if child.log_path else ""
+        return f"{child.name} exited with code {code}{where}"
 
     def wait(self) -> int:
         """Block until every child succeeded (0), one failed, or a signal arrived."""
@@ -324,12 +356,16 @@ class Supervisor:
                 logger.warning(f"launcher got signal {self._signal}; forwarded it to every child")
                 self.terminate_all(first_signal=None)
                 return 128 + self._signal
-            failed = self._first_failure()
-            if failed is not None:
-                code = self._procs[failed].returncode
-                logger.error(f"{self.children[failed].name} exited with code {code}; terminating the others")
+            failed = self._failures()
+            if failed:
+                # A rank's exit often makes another fail at once (a collective with a dead
+                # peer), and which one this poll saw first is chance: wait one more interval
+                # and name every failure, so the cause is in the log whichever code is returned.
+                time.sleep(POLL_INTERVAL_S)
+                failed = self._failures()
+                logger.error("; ".join(self._describe_exit(i) for i in failed) + "; terminating the others")
                 self.terminate_all()
-                return _exit_code(code)
+                return _exit_code(self._procs[failed[0]].returncode)
             if all(proc.returncode is not None for proc in self._procs):
                 return 0
             time.sleep(POLL_INTERVAL_S)

@@ -60,7 +60,8 @@ def read_env_file(path: str) -> dict[str, str]:
                 continue
             name, sep, value = line.partition("=")
             if not sep or not name.strip().isidentifier():
-                raise ValueError(f"{path}, line {number} ({line!r}): expected NAME=value")
+                hint = "; drop the leading 'export'" if name.startswith("export ") else ""
+                raise ValueError(f"{path}, line {number} ({line!r}): expected NAME=value{hint}")
             value = value.strip()
             if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
                 value = value[1:-1]

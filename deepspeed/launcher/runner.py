@@ -41,9 +41,11 @@ from deepspeed.launcher.launch import (
     add_log_level_args,
     apply_log_level,
     check_cores_available,
+    free_port,
     launch_local,
     node_layout,
     parse_core_list,
+    port_is_free,
     split_cores,
     supervise,
     visible_devices_env,
@@ -177,6 +179,8 @@ def resolve_pool(ns: argparse.Namespace) -> tuple[ResourcePool, bool]:
     from_hostfile = hosts is not None
     include, exclude = ns.include, ns.exclude
     if hosts is None:
+        if ns.hostfile != DEFAULT_HOSTFILE:  # named on the command line: maybe a typo
+            logger.warning(f"hostfile {ns.hostfile!r} does not exist; running on this machine only")
         if ns.num_nodes > 1:
             raise ValueError(
                 f"--num_nodes={ns.num_nodes} needs a hostfile listing the nodes; {ns.hostfile} does not exist"
@@ -220,35 +224,13 @@ def check_supported(ns: argparse.Namespace) -> None:
         )
 
 
-def _port_is_free(port: int) -> bool:
-    """Whether a rendezvous store could listen on `port` now.
-
-    SO_REUSEADDR as torch's TCPStore sets it: the connections a finished job leaves in
-    TIME_WAIT (about a minute on Linux) do not stop the store from listening, so they must not
-    make the port look busy either; a live listener still does.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def local_master_port(requested: Optional[int]) -> int:
     """The port of a single-node job: the one asked for, else 29500, else any free one."""
     if requested is not None:
         return requested
-    if _port_is_free(DEFAULT_MASTER_PORT):
+    if port_is_free(DEFAULT_MASTER_PORT):
         return DEFAULT_MASTER_PORT
-    port = _free_port()
+    port = free_port()
     logger.warning(f"port {DEFAULT_MASTER_PORT} is busy on this machine; using free port {port} instead")
     return port
 

@@ -535,6 +535,31 @@ def test_single_process_init_without_env(monkeypatch):
     assert out.stdout.split() == ["0", "1"]
 
 
+def test_single_process_init_takes_a_free_port_when_its_port_is_busy():
+    """A lone process has no peer to agree on a port with: a busy `distributed_port` (another
+    job's rendezvous on 29500) must not fail it; an explicit MASTER_PORT is still taken as set."""
+    import socket
+
+    from deepspeed.launcher.launch import lone_rendezvous_port
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert lone_rendezvous_port(port) != port
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        code = (
+            f"import deepspeed, os; deepspeed.init_distributed(distributed_port={port}, verbose=False); "
+            "import deepspeed.comm as d; print(d.get_world_size(), os.environ['MASTER_PORT'])"
+        )
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        world, used = out.stdout.split()
+        assert world == "1" and int(used) != port
+    free = get_free_port()
+    assert lone_rendezvous_port(free) == free
+
+
 @pytest.mark.parametrize("call", ["get_rank", "get_world_size"])
 def test_rank_queries_before_init_raise(monkeypatch, call):
     """Before the group exists the answer would be a guess (every launched process would think

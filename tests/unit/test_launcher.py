@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -120,6 +121,52 @@ def test_failing_rank_ends_the_job_promptly(tmp_path):
     sleeper = int((tmp_path / "rank0.pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(sleeper, 0)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def launcher_log():
+    """The launcher's log messages (its logger does not propagate to pytest's capture)."""
+    from deepspeed.utils.logging import logger
+
+    handler = _Records()
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_every_rank_that_failed_at_once_is_named(tmp_path):
+    """One rank's exit often fails another at once (a collective with a dead peer), and which
+    one a poll sees first is chance: the error names both, with their codes and log files."""
+    go = tmp_path / "go"
+    wait_then_exit = "import os, sys, time\nwhile not os.path.exists({go!r}): time.sleep(0.001)\nsys.exit({code})"
+    children = [
+        launch.ChildSpec(
+            f"rank {rank}",
+            [sys.executable, "-c", wait_then_exit.format(go=str(go), code=code)],
+            log_path=str(tmp_path / f"rank{rank}.log"),
+        )
+        for rank, code in ((0, 1), (1, 3))
+    ]
+    threading.Timer(2.0, go.touch).start()  # both started and waiting by then
+    with launcher_log() as messages:
+        code = launch.supervise(children, grace_s=5)
+    assert code in (1, 3)
+    failure = [m for m in messages if "terminating the others" in m]
+    assert failure == [
+        f"rank 0 exited with code 1 (its output: {tmp_path / 'rank0.log'}); "
+        f"rank 1 exited with code 3 (its output: {tmp_path / 'rank1.log'}); terminating the others"
+    ]
 
 
 def test_sigterm_is_forwarded_to_ranks(tmp_path):
@@ -334,7 +381,10 @@ def test_no_hostfile_means_this_machine():
     def pool(*args):
         return runner.resolve_pool(runner.parse_args(["-H", "/nonexistent/hostfile", *args, "x.py"]))
 
-    assert pool("--num_procs", "3") == ({"localhost": [0, 1, 2]}, False)
+    with launcher_log() as messages:
+        assert pool("--num_procs", "3") == ({"localhost": [0, 1, 2]}, False)
+    # a hostfile named on the command line that is not there may be a typo: said, not silent
+    assert messages == ["hostfile '/nonexistent/hostfile' does not exist; running on this machine only"]
     # any name of this machine works in a filter
     assert pool("--include", f"{runner.socket.gethostname()}:0") == ({"localhost": [0]}, False)
 

@@ -135,6 +135,9 @@ def test_exports_prefixes_and_env_files(tmp_path):
     (cwd / ".deepspeed_env").write_text("GOOD=1\nnot a pair\n")
     with pytest.raises(ValueError, match=r"\.deepspeed_env, line 2 \('not a pair'\): expected NAME=value"):
         multinode_runner.collect_exports({}, [str(cwd)])
+    (cwd / ".deepspeed_env").write_text("export FOO=1\n")  # a shell script's line
+    with pytest.raises(ValueError, match=r"expected NAME=value; drop the leading 'export'"):
+        multinode_runner.collect_exports({}, [str(cwd)])
 
 
 # ----------------------------------------------------------------------------- runner command lines
@@ -319,7 +322,7 @@ def test_busy_default_port_falls_back_to_a_free_one(monkeypatch):
         port = busy.getsockname()[1]
         monkeypatch.setattr(runner, "DEFAULT_MASTER_PORT", port)
         chosen = runner.local_master_port(None)
-        assert chosen != port and runner._port_is_free(chosen)
+        assert chosen != port and runner.port_is_free(chosen)
     assert runner.local_master_port(4321) == 4321
 
 
@@ -400,7 +403,7 @@ def test_init_distributed_discovers_mpi_ranks(tmp_path):
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     }
     env.update(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="1", OMPI_COMM_WORLD_LOCAL_RANK="0")
-    env.update(OMPI_COMM_WORLD_LOCAL_SIZE="1", MASTER_PORT=str(runner._free_port()))
+    env.update(OMPI_COMM_WORLD_LOCAL_SIZE="1", MASTER_PORT=str(runner.free_port()))
     code = (
         "import os, deepspeed, deepspeed.comm as dist; deepspeed.init_distributed(dist_backend='gloo');"
         "print(dist.get_rank(), dist.get_world_size(), os.environ['RANK'], os.environ['MASTER_ADDR'])"
