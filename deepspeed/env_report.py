@@ -103,10 +103,8 @@ def _half_precision_lines(accel) -> list[str]:
         native_bf16 = False
 
     def line(name: str, answer: bool, native: bool) -> str:
-        how = "yes" if native else "no, torch emulates it (slower)"
-        return _line(
-            f"{name} supported", f"{answer} (native {name} math: {how}; {name} training runs on this CPU)"
-        )
+        how = "native math" if native else "no native math: torch emulates it, slower"
+        return _line(f"{name} supported", f"{answer} ({how}; {name} training still runs on this CPU)")
 
     return [line("bf16", bf16, native_bf16), line("fp16", fp16, fp16)]
 
