@@ -740,6 +740,16 @@ class TestEngineFeatures(DistributedTest):
         assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
         with pytest.raises(RuntimeError, match="needs an optimizer"):
             engine.step()
+        # accelerate's free_memory() destroys engines (Trainer.train() at its start); a ZeRO-3
+        # forward after that cannot gather: it says so rather than failing in a kernel.
+        engine.destroy()
+        with pytest.raises(RuntimeError, match=r"forward\(\) on an engine after its destroy\(\)"):
+            engine(ids, labels)
+        cfg["zero_optimization"]["stage"] = 2  # parameters are whole: a forward still works
+        engine, *_ = deepspeed.initialize(model=copy.deepcopy(reference), config=cfg)
+        engine.destroy()
+        with torch.no_grad():
+            assert torch.equal(engine(ids, labels), reference(ids, labels))
 
     def test_gathered_parameters_live_across_forward(self):
         engine, _ = engine_run(batches(1))
