@@ -73,7 +73,7 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         dist.configure(self._config)  # the communication logger: its comms_logger section, if any
         # The step's all-gather / reduce-scatter ms, for the monitors; withdrawn at destroy().
         self._times_collectives = bool(self._config.wall_clock_breakdown)
-        self._destroyed = False  # destroy() ran: at stage 3 a forward can no longer gather
+        self._destroyed = False  # destroy() ran: a forward may no longer be able to gather
         if self._times_collectives:
             dist.count_totals(True)
         if get_accelerator().device_name() == "cpu":
@@ -304,12 +304,8 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
     # ------------------------------------------------------------------ training
 
     def forward(self, *args, **kwargs):
-        if self._destroyed and self.zero_optimization_stage() == 3:
-            raise RuntimeError(
-                "forward() on an engine after its destroy() (accelerate's free_memory() calls it, as "
-                "Trainer.train() does at its start): its ZeRO-3 hooks are gone, so the partitioned "
-                "parameters cannot be gathered; build a new engine with deepspeed.initialize"
-            )
+        if self._destroyed:
+            self.zero.refuse_forward_without_hooks()
         self._offloader.refuse_while_offloaded("forward()", [OffloadStateTypeEnum.lp_params])
         args, kwargs = forward_prologue(self, args, kwargs)  # fp16.auto_cast
         # The module's own hooks gather, release and mark where a pass starts and ends, so a

@@ -547,12 +547,18 @@ def test_single_process_init_takes_a_free_port_when_its_port_is_busy():
         busy.listen()
         port = busy.getsockname()[1]
         assert lone_rendezvous_port(port) != port
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+        }
         code = (
             f"import deepspeed, os; deepspeed.init_distributed(distributed_port={port}, verbose=False); "
             "import deepspeed.comm as d; print(d.get_world_size(), os.environ['MASTER_PORT'])"
         )
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
         world, used = out.stdout.split()
         assert world == "1" and int(used) != port

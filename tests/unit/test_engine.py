@@ -745,6 +745,9 @@ class TestEngineFeatures(DistributedTest):
         engine.destroy()
         with pytest.raises(RuntimeError, match=r"forward\(\) on an engine after its destroy\(\)"):
             engine(ids, labels)
+        deepspeed.initialize(model=model, config=cfg)  # a new engine's hooks gather for the old one too
+        with torch.no_grad():
+            assert torch.equal(engine(ids, labels), reference(ids, labels))
         cfg["zero_optimization"]["stage"] = 2  # parameters are whole: a forward still works
         engine, *_ = deepspeed.initialize(model=copy.deepcopy(reference), config=cfg)
         engine.destroy()

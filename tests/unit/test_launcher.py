@@ -149,7 +149,9 @@ def test_every_rank_that_failed_at_once_is_named(tmp_path):
     """One rank's exit often fails another at once (a collective with a dead peer), and which
     one a poll sees first is chance: the error names both, with their codes and log files."""
     go = tmp_path / "go"
-    wait_then_exit = "import os, sys, time\nwhile not os.path.exists({go!r}): time.sleep(0.001)\nsys.exit({code})"
+    wait_then_exit = (
+        "import os, sys, time\nwhile not os.path.exists({go!r}): time.sleep(0.001)\nsys.exit({code})"
+    )
     children = [
         launch.ChildSpec(
             f"rank {rank}",

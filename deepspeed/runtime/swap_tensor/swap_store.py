@@ -134,8 +134,9 @@ class SwapStore:
             (root / _SWAP_DIR).mkdir(exist_ok=True)
         except OSError as exc:  # writable by mode, refused anyway (/sys, a read-only mount)
             raise type(exc)(
-                exc.errno, f"nvme_path {str(root)!r}: cannot create the swap folder {_SWAP_DIR!r} in it "
-                f"({exc.strerror}); point nvme_path at a folder on the drive to swap to"
+                exc.errno,
+                f"nvme_path {str(root)!r}: cannot create the swap folder {_SWAP_DIR!r} in it "
+                f"({exc.strerror}); point nvme_path at a folder on the drive to swap to",
             ) from exc
         _remove_dead_folders(root / _SWAP_DIR)
         self.folder = root / _SWAP_DIR / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}" / name

@@ -224,6 +224,10 @@ class ZeroStrategy:
     def remove_hooks(self) -> None:
         """`destroy()`: remove the stage's module hooks."""
 
+    def refuse_forward_without_hooks(self) -> None:
+        """A forward through an engine after its `destroy()`: raise where the stage needs module
+        hooks to run one and none are on the module (another engine's would do)."""
+
 
 class ReplicatedParameters(ZeroStrategy):
     """Stages 0, 1 and 2: whole parameters on every rank, this rank's slices for the optimizer."""
@@ -431,6 +435,15 @@ class ShardedParameters(ZeroStrategy):
 
     def remove_hooks(self) -> None:
         self.coordinator.remove_hooks()
+
+    def refuse_forward_without_hooks(self) -> None:
+        current = self.coordinator.module.__dict__.get("_ds_coordinator")  # a later engine's, maybe
+        if current is None or not current.forward_hooks:
+            raise RuntimeError(
+                "forward() on an engine after its destroy() (accelerate's free_memory() calls it, as "
+                "Trainer.train() does at its start): its ZeRO-3 hooks are gone, so the partitioned "
+                "parameters cannot be gathered; build a new engine with deepspeed.initialize"
+            )
 
 
 def choose_strategy(config: Any) -> ZeroStrategy:
