@@ -227,6 +227,13 @@ def check_supported(ns: argparse.Namespace) -> None:
 def local_master_port(requested: Optional[int]) -> int:
     """The port of a single-node job: the one asked for, else 29500, else any free one."""
     if requested is not None:
+        if not 0 < requested < 65536:
+            raise ValueError(f"--master_port={requested} is not a port; pass one in [1, 65535]")
+        if not port_is_free(requested):  # rank 0 would fail to listen on it, seconds later
+            raise ValueError(
+                f"--master_port={requested} is in use on this machine (another job's rendezvous?); "
+                "pass a free port, or leave --master_port out to get 29500 or any free one"
+            )
         return requested
     if port_is_free(DEFAULT_MASTER_PORT):
         return DEFAULT_MASTER_PORT

@@ -323,7 +323,13 @@ def test_busy_default_port_falls_back_to_a_free_one(monkeypatch):
         monkeypatch.setattr(runner, "DEFAULT_MASTER_PORT", port)
         chosen = runner.local_master_port(None)
         assert chosen != port and runner.port_is_free(chosen)
-    assert runner.local_master_port(4321) == 4321
+        # an explicit busy port fails before any rank starts, naming it (not in rank 0's bind)
+        with pytest.raises(ValueError, match=rf"--master_port={port} is in use on this machine"):
+            runner.local_master_port(port)
+    free = runner.free_port()
+    assert runner.local_master_port(free) == free
+    with pytest.raises(ValueError, match=r"--master_port=70000 is not a port"):
+        runner.local_master_port(70000)
 
 
 def test_port_left_in_time_wait_by_a_finished_job_is_free(monkeypatch):
