@@ -799,6 +799,58 @@ class TestEngineFeatures(DistributedTest):
         for name, p in reference.named_parameters():
             torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=5e-5, msg=name)
 
+    def test_a_custom_function_handed_a_partitioned_weight(self):
+        """TRL's distillation loss hands `lm_head.weight` to an autograd function while it is
+        partitioned, and the function gathers it in forward and backward: the full gradient
+        reaches the weight (autograd once refused it against the [0] shape) and training
+        matches plain PyTorch."""
+
+        class GatherInside(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, h, w):
+                with deepspeed.zero.GatheredParameters([w]):
+                    ctx.save_for_backward(h, w)
+                    return h @ w.t()
+
+            @staticmethod
+            def backward(ctx, grad):
+                h, w = ctx.saved_tensors
+                with deepspeed.zero.GatheredParameters([w]):
+                    return grad @ w, grad.t() @ h
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Linear(8, 8)
+                self.head = nn.Linear(8, 16, bias=False)
+
+            def forward(self, x):
+                return GatherInside.apply(self.body(x), self.head.weight).pow(2).mean()
+
+        torch.manual_seed(3)
+        reference = Model()
+        model = copy.deepcopy(reference)
+        data = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(4))
+        opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        for x in data:
+            opt.zero_grad()
+            reference(x).backward()
+            opt.step()
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        rank = dist.get_rank()
+        for x in data:
+            loss = engine(x[2 * rank : 2 * rank + 2])
+            engine.backward(loss)
+            engine.step()
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            for got, want in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+
     def test_parameters_used_outside_their_module(self):
         """nn.MultiheadAttention reads out_proj.weight without calling out_proj."""
 

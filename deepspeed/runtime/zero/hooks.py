@@ -79,7 +79,10 @@ in its backward (TRL's fused LM head reads `lm_head.weight` and never calls `lm_
 parameter used outside any hooked module. So a gradient hook on every partitioned parameter
 gathers one that is not available when its gradient arrives (`gather_for_gradient`), and the
 engine's post-accumulate hook releases it once the gradient is taken (`release_after_gradient`).
-Every rank runs the same graph, so every rank issues these gathers in the same order.
+Every rank runs the same graph, so every rank issues these gathers in the same order. For a
+function handed the weight while it is partitioned (TRL's distillation loss), autograd would
+refuse the full gradient before that hook runs; the engine keeps each parameter's gradient
+accumulator made with the full shape (stage.py's `_FullShapeAccumulator`).
 
 [Note: the pass phases]
 The coordinator's `phase` says where it stands in a pass, and moves only in

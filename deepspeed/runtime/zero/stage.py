@@ -369,7 +369,10 @@ class ShardedParameters(ZeroStrategy):
 
     def hook_gradient(self, param: nn.Parameter) -> list:
         # [Note: a gradient needs its parameter whole] in hooks.py
-        return [param.register_hook(functools.partial(self.coordinator.gather_for_gradient, param))]
+        return [
+            _FullShapeAccumulator(param),
+            param.register_hook(functools.partial(self.coordinator.gather_for_gradient, param)),
+        ]
 
     def grad_ready(
         self, param: nn.Parameter, reducer: Any, leaf_grads: Any, in_backward: bool, is_boundary: Callable
@@ -444,6 +447,36 @@ class ShardedParameters(ZeroStrategy):
                 "Trainer.train() does at its start): its ZeRO-3 hooks are gone, so the partitioned "
                 "parameters cannot be gathered; build a new engine with deepspeed.initialize"
             )
+
+
+class _FullShapeAccumulator:
+    """Keeps `param`'s gradient accumulator (autograd's AccumulateGrad node) alive, made while
+    `param.data` had the full shape; `remove()` lets it go.
+
+    Autograd checks each gradient a function returns against the shape its target had when
+    the target's accumulator was made, and makes the accumulator at the parameter's first use
+    in a graph. A custom autograd function handed a partitioned weight, which gathers it
+    itself in forward and backward (TRL's distillation loss passes `lm_head.weight` to one),
+    would fix that shape at [0], and its full gradient would be refused before any hook could
+    gather ("returned an invalid gradient ... expected shape compatible with [0]"). Upstream
+    keeps an accumulator made while the parameter is gathered, for the same reason. Made
+    here with a full-shaped data that holds one element (a 0-dim tensor expanded), so no
+    gather is needed; a change of dtype or device would make autograd drop it (`set_data`).
+    """
+
+    def __init__(self, param: nn.Parameter) -> None:
+        shape = param._zero_state.shape
+        with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():
+            data = param.data
+            if data.shape != shape:
+                param.data = torch.empty((), dtype=data.dtype, device=data.device).expand(shape)
+            try:
+                self.node = param.view_as(param).grad_fn.next_functions[0][0]
+            finally:
+                param.data = data
+
+    def remove(self) -> None:
+        self.node = None
 
 
 def choose_strategy(config: Any) -> ZeroStrategy:
