@@ -35,14 +35,16 @@ class TinyLM(nn.Module):
 
 class _SelfGatheringMatmul(torch.autograd.Function):
     """`h @ weight.T` on a weight read directly, as fused LM heads do (TRL's): the owning module
-    never runs, so no engine hook holds the weight. The caller gathers it around `apply`, the
-    backward gathers it again itself, and autograd accumulates its gradient after that gather
-    ended, into a parameter that is partitioned again."""
+    never runs, so no engine hook holds the weight. It gathers the weight in forward (TRL's
+    distillation loss is handed it partitioned; its SFT head gathers around `apply`, which
+    this then only holds again) and in backward, and autograd accumulates its gradient after
+    that gather ended, into a parameter that is partitioned again."""
 
     @staticmethod
     def forward(ctx, h, weight):
         ctx.save_for_backward(h, weight)
-        return h @ weight.t()
+        with deepspeed.zero.GatheredParameters([weight]):
+            return h @ weight.t()
 
     @staticmethod
     def backward(ctx, grad):
@@ -54,13 +56,19 @@ class _SelfGatheringMatmul(torch.autograd.Function):
 
 
 class FusedHeadLM(TinyLM):
+    gather_around_apply = True  # TRL's SFT head; False: its distillation loss
+
     def forward(self, ids, labels):
         h = self.embed(ids)
         h = self.norm(h + self.down(torch.nn.functional.gelu(self.up(h))))
-        with deepspeed.zero.GatheredParameters([self.head.weight]):
+        with deepspeed.zero.GatheredParameters([self.head.weight], enabled=self.gather_around_apply):
             logits = _SelfGatheringMatmul.apply(h, self.head.weight)
         logits = logits + self.head.bias
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+class PartitionedHeadLM(FusedHeadLM):
+    gather_around_apply = False
 
 
 def batches(steps, seed=0):
@@ -178,17 +186,20 @@ class TestEngineParity(DistributedTest):
 
     def test_gradient_of_a_weight_its_module_never_held(self):
         """A custom autograd function gathers the head's weight itself in forward and backward
-        (TRL's fused LM head): its gradient lands after that gather ended, and must train
-        exactly as the plain run, with nothing left gathered."""
+        (TRL's fused LM head, and its distillation loss, which hands the weight over partitioned:
+        autograd once refused its full gradient against the [0] shape): its gradient lands
+        after that gather ended, and must train exactly as the plain run, with nothing left
+        gathered."""
         data = batches(4, seed=3)
         reference, ref_losses = reference_run(data, model_cls=FusedHeadLM)
-        engine, losses = engine_run(data, model_cls=FusedHeadLM, build_under_init=True)
-        assert_parity(engine, losses, reference, ref_losses)
-        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
-        assert not engine.optimizer.parameter_offload.gradient_holds
-        # the bias, used directly in the root's forward, was registered with the root
-        external = [p for _, p in engine.module.ds_external_parameters()]
-        assert len(external) == 1 and external[0] is engine.module.head.bias
+        for model_cls in (FusedHeadLM, PartitionedHeadLM):
+            engine, losses = engine_run(data, model_cls=model_cls, build_under_init=True)
+            assert_parity(engine, losses, reference, ref_losses)
+            assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+            assert not engine.optimizer.parameter_offload.gradient_holds
+            # the bias, used directly in the root's forward, was registered with the root
+            external = [p for _, p in engine.module.ds_external_parameters()]
+            assert len(external) == 1 and external[0] is engine.module.head.bias
 
     @run_on(2)
     def test_a_second_engine_on_the_same_module_takes_the_hooks_over(self):
@@ -798,58 +809,6 @@ class TestEngineFeatures(DistributedTest):
         got = gathered_params(model)
         for name, p in reference.named_parameters():
             torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=5e-5, msg=name)
-
-    def test_a_custom_function_handed_a_partitioned_weight(self):
-        """TRL's distillation loss hands `lm_head.weight` to an autograd function while it is
-        partitioned, and the function gathers it in forward and backward: the full gradient
-        reaches the weight (autograd once refused it against the [0] shape) and training
-        matches plain PyTorch."""
-
-        class GatherInside(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, h, w):
-                with deepspeed.zero.GatheredParameters([w]):
-                    ctx.save_for_backward(h, w)
-                    return h @ w.t()
-
-            @staticmethod
-            def backward(ctx, grad):
-                h, w = ctx.saved_tensors
-                with deepspeed.zero.GatheredParameters([w]):
-                    return grad @ w, grad.t() @ h
-
-        class Model(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.body = nn.Linear(8, 8)
-                self.head = nn.Linear(8, 16, bias=False)
-
-            def forward(self, x):
-                return GatherInside.apply(self.body(x), self.head.weight).pow(2).mean()
-
-        torch.manual_seed(3)
-        reference = Model()
-        model = copy.deepcopy(reference)
-        data = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(4))
-        opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        for x in data:
-            opt.zero_grad()
-            reference(x).backward()
-            opt.step()
-        cfg = {
-            "train_micro_batch_size_per_gpu": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        }
-        engine, *_ = deepspeed.initialize(model=model, config=cfg)
-        rank = dist.get_rank()
-        for x in data:
-            loss = engine(x[2 * rank : 2 * rank + 2])
-            engine.backward(loss)
-            engine.step()
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            for got, want in zip(model.parameters(), reference.parameters()):
-                torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
 
     def test_parameters_used_outside_their_module(self):
         """nn.MultiheadAttention reads out_proj.weight without calling out_proj."""
