@@ -183,9 +183,11 @@ def _write_rank_files(
         _refuse_replicas_on_node_local_storage(engine)
         return  # a MiCS replica: the first replica writes these shards
     entries = _checkpoint_entries(engine, exclude_frozen)
-    os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+    model_states = _model_states(engine, entries, header, client_state)  # refuses bad client_state keys
+    os.makedirs(os.path.join(save_dir, tag), exist_ok=True)  # only then: a refused save leaves no folder
     model_path = model_states_path(engine, save_dir, tag)
-    atomic_torch_save(_model_states(engine, entries, header, client_state), model_path)
+    atomic_torch_save(model_states, model_path)
+    del model_states
     if client_state and header["rank"] == 0:
         _warn_if_load_needs_trust(model_path)
     if engine.checkpoint_optimizer() is not None:

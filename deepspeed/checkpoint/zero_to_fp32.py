@@ -1,14 +1,15 @@
 """Consolidate a sharded ZeRO-3 checkpoint into one fp32 state dict; needs no process group.
 
-    zero_to_fp32 CHECKPOINT_DIR OUTPUT [-t TAG] [--safe_serialization] [--max_shard_size 5GB]
+    zero_to_fp32 CHECKPOINT_DIR OUTPUT [-t TAG] [--safe_serialization] [--max_shard_size SIZE]
                  [--exclude_frozen_parameters] [--dtype float32|float16|bfloat16] [-d]
                  [--trust_checkpoint]
 
 CHECKPOINT_DIR is the folder given to `engine.save_checkpoint` (it holds `latest` and a
 folder per tag; a tag folder itself is accepted too). OUTPUT is either a file name ending
-in `.bin`, `.pt`, `.pth` or `.safetensors`, or a folder, which receives
+in `.bin`, `.pt`, `.pth` or `.safetensors` (written whole), or a folder, which receives
 `pytorch_model.bin` (or `model.safetensors` with `--safe_serialization`), split into
-numbered shards plus an index file, Hugging Face style, when larger than `max_shard_size`.
+numbered shards plus an index file, Hugging Face style, when larger than `max_shard_size`
+(default 5GB).
 The same logic runs from Python:
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -63,6 +64,7 @@ __all__ = [
 WEIGHTS_NAME = "pytorch_model.bin"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # a folder's shards; a single output file has no limit unless one is given
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _SIZE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 _SIZE_UNITS = types.MappingProxyType(_SIZE_UNITS)  # read-only from here on
@@ -214,6 +216,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _total_bytes(state_dict: dict) -> int:
+    """Bytes of the distinct tensors of `state_dict` (a tied tensor once)."""
+    return sum(_nbytes(t) for t in {id(t): t for t in state_dict.values()}.values())
+
+
 def _split_by_size(state_dict: dict, limit: int) -> list:
     """Consecutive groups of keys, each under `limit` bytes unless one tensor alone is larger."""
     shards: list = [[]]
@@ -266,8 +273,7 @@ def _write_folder(state_dict: dict, output_dir: str, limit: int, safe: bool, qui
         _write_weights({n: state_dict[n] for n in names}, os.path.join(output_dir, file_name), safe)
         weight_map.update({n: file_name for n in names})
         paths.append(os.path.join(output_dir, file_name))
-    total = sum(_nbytes(t) for t in {id(t): t for t in state_dict.values()}.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": _total_bytes(state_dict)}, "weight_map": weight_map}
     index_path = os.path.join(output_dir, f"{base}.index.json")
     atomic_write_bytes(index_path, json.dumps(index, indent=2, sort_keys=True).encode("utf-8"))
     return paths + [index_path]
@@ -316,7 +322,7 @@ def convert_zero_checkpoint_to_state_dict(
     checkpoint_dir: str,
     output_dir: str,
     dtype: Union[str, torch.dtype] = torch.float32,
-    max_shard_size: Union[int, str] = "5GB",
+    max_shard_size: Union[int, str, None] = None,
     safe_serialization: bool = False,
     tag: Optional[str] = None,
     exclude_frozen_parameters: bool = False,
@@ -328,12 +334,20 @@ def convert_zero_checkpoint_to_state_dict(
     integer and bool buffers keep theirs); returns the paths written.
 
     `output_dir` may also be a file name ending in `.bin`, `.pt`, `.pth` or `.safetensors`
-    (then it is one file, in safetensors format if the name or `safe_serialization` says
-    so). A folder gets `pytorch_model.bin` / `model.safetensors`, sharded past `max_shard_size`.
-    `trust_checkpoint`, `quiet`: see `get_fp32_state_dict_from_zero_checkpoint`.
+    (then it is one file, safetensors if the name ends so; refused when `safe_serialization`
+    names another format, or when an explicit `max_shard_size` is smaller than the weights,
+    since one file cannot be split). A folder gets `pytorch_model.bin` / `model.safetensors`,
+    sharded past `max_shard_size` (None: 5GB). `trust_checkpoint`, `quiet`: see
+    `get_fp32_state_dict_from_zero_checkpoint`.
     """
     target = output_dtype(dtype)
-    limit = parse_size(max_shard_size)
+    limit = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
+    one_file = str(output_dir).endswith(_FILE_SUFFIXES) and not os.path.isdir(output_dir)
+    if one_file and safe_serialization and not str(output_dir).endswith(".safetensors"):
+        raise ValueError(
+            f"safe_serialization writes safetensors, but the output file {output_dir!r} is named as a "
+            "pickle; name it *.safetensors, or give a folder (it gets model.safetensors)"
+        )
     state_dict = get_fp32_state_dict_from_zero_checkpoint(
         checkpoint_dir, tag, exclude_frozen_parameters, trust_checkpoint=trust_checkpoint, quiet=quiet
     )
@@ -342,8 +356,14 @@ def convert_zero_checkpoint_to_state_dict(
     if logger.isEnabledFor(logging.DEBUG):  # the command line's --debug
         for name, t in state_dict.items():
             logger.debug(f"zero_to_fp32: {name} {tuple(t.shape)} {t.dtype}")
-    if str(output_dir).endswith(_FILE_SUFFIXES) and not os.path.isdir(output_dir):
-        safe = safe_serialization or str(output_dir).endswith(".safetensors")
+    if one_file:
+        total = _total_bytes(state_dict)
+        if max_shard_size is not None and total > limit:
+            raise ValueError(
+                f"max_shard_size={max_shard_size!r}: the weights take {total} bytes, and the output "
+                f"{output_dir!r} is one file, which cannot be split; give a folder for shards of that size"
+            )
+        safe = str(output_dir).endswith(".safetensors")
         parent = os.path.dirname(os.path.abspath(output_dir))
         os.makedirs(parent, exist_ok=True)
         _write_weights(state_dict, output_dir, safe)
@@ -359,7 +379,7 @@ def convert_zero_checkpoint_to_state_dict(
 def convert_zero_checkpoint_to_fp32_state_dict(
     checkpoint_dir: str,
     output_dir: str,
-    max_shard_size: Union[int, str] = "5GB",
+    max_shard_size: Union[int, str, None] = None,
     safe_serialization: bool = False,
     tag: Optional[str] = None,
     exclude_frozen_parameters: bool = False,
@@ -398,7 +418,12 @@ def _parser() -> argparse.ArgumentParser:
         "-t", "--tag", default=None, help="the checkpoint tag folder (default: from 'latest')"
     )
     parser.add_argument("--safe_serialization", action="store_true", help="write safetensors")
-    parser.add_argument("--max_shard_size", default="5GB", help="split folder output past this size")
+    parser.add_argument(
+        "--max_shard_size",
+        default=None,
+        help=f"split a folder's output past this size (default {DEFAULT_MAX_SHARD_SIZE}); "
+        "an output file larger than a size given here is refused",
+    )
     parser.add_argument(
         "--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out"
     )

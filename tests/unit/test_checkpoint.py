@@ -356,6 +356,26 @@ def test_zero_to_fp32_says_when_an_output_name_is_taken_as_a_folder(
     assert (tmp_path / "out.txt" / "pytorch_model.bin").is_file()
 
 
+def test_zero_to_fp32_refuses_what_one_output_file_cannot_honour(two_rank_checkpoint, tmp_path, capfd):
+    """A single output file is written in the format its name says, whole: safetensors asked
+    for under a pickle's name, or a shard size smaller than the weights, is refused (both were
+    ignored: safetensors bytes in a .bin file, one file past the limit)."""
+    expected = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(two_rank_checkpoint)
+    out = tmp_path / "model.bin"
+    assert zero_to_fp32.main([two_rank_checkpoint, str(out), "--safe_serialization"]) == 1
+    assert "name it *.safetensors" in capfd.readouterr().err and not out.exists()
+    assert zero_to_fp32.main([two_rank_checkpoint, str(out), "--max_shard_size", "1KB"]) == 1
+    assert "one file, which cannot be split" in capfd.readouterr().err and not out.exists()
+    # A limit the weights fit under, or none, writes the one file; a .safetensors name is safetensors.
+    assert zero_to_fp32.main([two_rank_checkpoint, str(out), "--max_shard_size", "1GB"]) == 0
+    assert_equal_params(torch.load(out), expected)
+    from safetensors.torch import load_file
+
+    safe = tmp_path / "model.safetensors"
+    assert zero_to_fp32.main([two_rank_checkpoint, str(safe), "--safe_serialization"]) == 0
+    assert_equal_params(load_file(str(safe)), expected)
+
+
 def test_zero_to_fp32_takes_upstreams_arguments(two_rank_checkpoint, tmp_path, capfd, caplog):
     """Upstream 0.19's signatures: `lazy_mode` fourth (a positional True must not mean
     trust_checkpoint, which is keyword-only everywhere), `convert_zero_checkpoint_to_state_dict`

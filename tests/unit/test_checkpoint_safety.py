@@ -355,6 +355,11 @@ class TestEngineLoad(DistributedTest):
         assert {k: v for k, v in client_state.items() if k != "nested"} == {
             k: v for k, v in plain.items() if k != "nested"
         }
+        # A key the file itself uses is refused on every rank, before anything is written.
+        with pytest.raises(CheckpointError, match=r"client_state keys \['global_steps'\].*rename them"):
+            engine.save_checkpoint(root, tag="collide", client_state={"global_steps": 1})
+        assert not os.path.exists(os.path.join(root, "collide"))
+        assert open(os.path.join(root, "latest")).read().strip() == "plain"
 
         with captured_warnings() as warned:
             engine.save_checkpoint(root, tag="custom", client_state={"hyper": Hyper(8)})
