@@ -12,10 +12,13 @@ import importlib.util
 import types as _types
 from typing import Optional
 
-from deepspeed.version import __version__
+from deepspeed.version import __version__, __version_major__, __version_minor__, __version_patch__
 
 __all__ = [
     "__version__",
+    "__version_major__",
+    "__version_minor__",
+    "__version_patch__",
     "initialize",
     "init_distributed",
     "init_inference",

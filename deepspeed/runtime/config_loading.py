@@ -1,5 +1,11 @@
 """Reading a DeepSpeed config (a dict, a JSON file or base64 JSON) and the batch-size identity.
 
+[Note: HJSON configs]
+Upstream reads config files and base64 configs with `hjson`, a superset of JSON: `//`, `#`
+and `/* */` comments, trailing commas, quoteless keys and strings. Configs in the wild carry
+comments, so text that is not JSON is read as HJSON here too; JSON is tried first, as it is
+exact about where plain JSON is broken, and HJSON reads every JSON text as JSON does.
+
 Split from `config.py`, which re-exports both public functions: they need no typed section,
 only the raw dict and the world size.
 """
@@ -30,12 +36,37 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+class _NotJsonNorHjson(ValueError):
+    """Text that parses neither as JSON nor as HJSON; the message gives both parsers' errors."""
+
+
+def _parse_json_or_hjson(text: str) -> Any:
+    """`text` parsed as JSON, else as HJSON (see the note). Raises `_NotJsonNorHjson` when it
+    is neither, or `DeepSpeedConfigError` for a duplicate key."""
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except json.JSONDecodeError as json_error:
+        try:
+            import hjson
+        except ImportError:
+            raise _NotJsonNorHjson(
+                f"{json_error} (`hjson`, which reads configs with comments as upstream does, is not "
+                "installed: pip install hjson)"
+            ) from None
+        try:
+            return hjson.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        except hjson.HjsonDecodeError as hjson_error:
+            raise _NotJsonNorHjson(f"as JSON: {json_error}; as HJSON: {hjson_error}") from None
+
+
 def _read_json_file(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f, object_pairs_hook=_reject_duplicate_keys)
-    except json.JSONDecodeError as err:
-        raise DeepSpeedConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {err}") from None
+            data = _parse_json_or_hjson(f.read())
+    except _NotJsonNorHjson as err:
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config file {path!r} is not valid JSON (nor HJSON): {err}"
+        ) from None
     except DeepSpeedConfigError as err:
         raise DeepSpeedConfigError(f"DeepSpeed config file {path!r}: {err}") from None
     except (OSError, UnicodeDecodeError) as err:
@@ -52,7 +83,7 @@ def _decode_base64_json(text: str) -> Optional[dict[str, Any]]:
     for altchars in (None, b"-_"):  # standard, then URL-safe alphabet
         try:
             raw = base64.b64decode(text, altchars=altchars, validate=True)
-            data = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
+            data = _parse_json_or_hjson(raw.decode("utf-8"))
         except (binascii.Error, ValueError):
             continue
         if isinstance(data, dict):

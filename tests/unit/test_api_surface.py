@@ -254,6 +254,9 @@ def test_git_version_info_facts():
     from deepspeed.ops.op_builder import ALL_OPS
 
     assert info.version == deepspeed.__version__
+    # Upstream's integer parts of the version, which its tests and tools read.
+    parts = (deepspeed.__version_major__, deepspeed.__version_minor__, deepspeed.__version_patch__)
+    assert ".".join(map(str, parts)) == deepspeed.__version__ and all(type(p) is int for p in parts)
     head = subprocess.run(
         ["git", "rev-parse", "--short=7", "HEAD"],
         capture_output=True,

@@ -246,8 +246,50 @@ def test_missing_path_names_it():
 def test_bad_json_file_names_path(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('{"train_batch_size": 8,,}')
-    with pytest.raises(ValueError, match=r"broken\.json.* is not valid JSON"):
+    with pytest.raises(
+        ValueError, match=r"broken\.json.* is not valid JSON \(nor HJSON\).*as HJSON: Found ','"
+    ):
         DeepSpeedConfig(str(path))
+
+
+def test_hjson_config_file_reads_as_upstream_reads_it(tmp_path):
+    """Comments, trailing commas, quoteless keys and strings (upstream reads files and base64
+    configs with `hjson`): the same dict as the plain JSON file."""
+    path = tmp_path / "commented.json"
+    path.write_text(
+        "{\n"
+        "  // the HF ZeRO-3 config, annotated\n"
+        '  "train_micro_batch_size_per_gpu": 2,  # per rank\n'
+        "  gradient_accumulation_steps: 1,\n"
+        "  /* a block\n     comment */\n"
+        '  "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",},},\n'
+        "  optimizer: {\n    type: AdamW\n  }\n"  # a quoteless string runs to the line's end
+        "}\n"
+    )
+    expected = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+        "optimizer": {"type": "AdamW"},
+    }
+    assert load_config_dict(str(path)) == expected
+    assert load_config_dict(base64.b64encode(path.read_bytes()).decode()) == expected
+    assert DeepSpeedConfig(str(path), world_size=2).zero_config.offload_param.device == "cpu"
+    # zero.Init and deepspeed.checkpointing.configure read a path the same way.
+    import deepspeed
+
+    bf16 = tmp_path / "bf16.hjson"
+    bf16.write_text("{\n  bf16: {enabled: true}  // trains in bfloat16\n  activation_checkpointing: {\n"
+                    "    partition_activations: true\n  }\n}\n")  # fmt: skip
+    assert deepspeed.zero.Init(config_dict_or_path=str(bf16), enabled=False).dtype == torch.bfloat16
+    try:
+        deepspeed.checkpointing.configure(None, deepspeed_config=str(bf16))
+        assert deepspeed.checkpointing.SETTINGS.partition_activations is True
+    finally:
+        deepspeed.checkpointing.reset()
+    path.write_text('{"train_batch_size": 8, // twice\n "train_batch_size": 16}')
+    with pytest.raises(ValueError, match=r"commented\.json.*duplicate key 'train_batch_size'"):
+        load_config_dict(str(path))
 
 
 def test_duplicate_json_key_rejected(tmp_path):

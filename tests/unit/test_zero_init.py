@@ -385,7 +385,7 @@ class TestInitMisuse:
             deepspeed.zero.Init(remote_device="nvme")
         with pytest.raises(ValueError, match="dtype=torch.int32"):
             deepspeed.zero.Init(dtype=torch.int32)
-        with pytest.raises(ValueError, match="is not a file"):
+        with pytest.raises(ValueError, match="config.json' does not exist"):
             deepspeed.zero.Init(config_dict_or_path="/no/such/config.json")
         with pytest.raises(NotImplementedError, match="quantized"):
             deepspeed.zero.Init(zero_quantized_weights=True)

@@ -82,11 +82,10 @@ def _from_config(deepspeed_config: Any) -> dict:
         cfg = deepspeed_config._param_dict
     elif isinstance(deepspeed_config, dict):
         cfg = deepspeed_config
-    else:
-        import json
+    else:  # a file path (JSON or HJSON) or base64, read as initialize reads it
+        from deepspeed.runtime.config_loading import load_config_dict
 
-        with open(deepspeed_config) as f:
-            cfg = json.load(f)
+        cfg = load_config_dict(deepspeed_config)
     return dict(cfg.get("activation_checkpointing") or {})
 
 

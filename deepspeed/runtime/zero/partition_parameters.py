@@ -18,7 +18,6 @@ so a client may swap it) and the `_orig_torch_*` factories.
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 import sys
@@ -33,6 +32,7 @@ from deepspeed import comm as dist
 from deepspeed import process_state
 from deepspeed.accelerator import get_accelerator  # noqa: F401 - an upstream name clients read here
 from deepspeed.runtime.agreement import check_agreement, describe_parameters
+from deepspeed.runtime.config_loading import load_config_dict
 from deepspeed.runtime.zero import edits, gather, param_swap
 from deepspeed.runtime.zero.external_params import (  # noqa: F401 - upstream names, re-exported
     external_parameters,
@@ -132,17 +132,10 @@ def _read_config_dict(config_dict_or_path: Any) -> dict:
         return config_dict_or_path
     if hasattr(config_dict_or_path, "_param_dict"):  # another config object holding the dict
         return config_dict_or_path._param_dict
-    if isinstance(config_dict_or_path, (str, os.PathLike)):
-        path = os.fspath(config_dict_or_path)
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"zero.Init: config_dict_or_path={path!r} is not a file; pass a dict or a JSON path"
-            )
-        with open(path) as f:
-            try:
-                return json.load(f)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"zero.Init: {path!r} is not valid JSON: {err}") from None
+    if isinstance(
+        config_dict_or_path, (str, os.PathLike)
+    ):  # a file (JSON or HJSON) or base64, as initialize reads
+        return load_config_dict(config_dict_or_path)
     raise TypeError(
         f"zero.Init: config_dict_or_path must be a dict, a JSON path or a DeepSpeedConfig, "
         f"got {type(config_dict_or_path).__name__}"
