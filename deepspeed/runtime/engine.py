@@ -199,6 +199,7 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
             before_zero_grad=self._discard_unreduced_grads,
             leaf_grads=self.leaf_grads,
             parameter_offload=self.zero.coordinator,
+            replica_group=None if self.zero.mics is None else self.zero.mics.replica_group,
         )
 
     def _build_scheduler(self, client: Any) -> Any:

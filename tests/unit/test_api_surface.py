@@ -687,7 +687,10 @@ class TestApiSurfaceDistributed(DistributedTest):
         monkeypatch.setattr(
             LeafGradients, "leaf_backward_done", lambda s, m, r: done_at_leaf_exit.append(m) or real(s, m, r)
         )
-        for stage in (1, 2, 3):
+        # MiCS with one rank per shard group (2 ranks: two replicas): each replica's rank runs
+        # experts the other's does not, and both must step every expert that either ran.
+        layouts = [(1, {}), (2, {}), (3, {})] + ([(3, {"mics_shard_size": 1})] if world == 2 else [])
+        for stage, layout in layouts:
             torch.manual_seed(11)
             model = RoutedMoENet()
             set_z3_leaf_modules(model, [RoutedExperts])
@@ -699,7 +702,7 @@ class TestApiSurfaceDistributed(DistributedTest):
                     "type": "AdamW",
                     "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True},
                 },
-                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **layout},
             }
             engine, *_ = deepspeed.initialize(model=model, config=config)
             done_at_leaf_exit.clear()

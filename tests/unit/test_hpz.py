@@ -240,7 +240,9 @@ def test_config_checks_name_the_key():
 
     with pytest.raises(ValueError, match=r"zero_hpz_partition_size=2 \(hpZ\) needs stage 3"):
         DeepSpeedConfig(cfg(stage=2, zero_hpz_partition_size=2))
-    with pytest.raises(ValueError, match=r"zero_hpz_partition_size=0"):
+    with pytest.raises(
+        ValueError, match=r"zero_hpz_partition_size=0 \(hpZ\) must be a positive number of ranks"
+    ):
         DeepSpeedConfig(cfg(zero_hpz_partition_size=0))
     assert DeepSpeedConfig(cfg(zero_hpz_partition_size=4)).zero_config.zero_hpz_partition_size == 4
     assert DeepSpeedConfig(cfg()).zero_config.zero_hpz_partition_size == 1

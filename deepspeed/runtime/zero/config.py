@@ -318,12 +318,15 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
                 f"zero_optimization.mics_shard_size={self.mics_shard_size} (MiCS) needs stage 3, got stage "
                 f"{int(self.stage)}; set stage to 3 or mics_shard_size to -1"
             )
-        if self.zero_hpz_partition_size < 1 or (
-            self.zero_hpz_partition_size > 1 and self.stage != ZeroStageEnum.weights
-        ):
+        if self.zero_hpz_partition_size < 1:
             raise ValueError(
-                f"zero_optimization.zero_hpz_partition_size={self.zero_hpz_partition_size} (hpZ) needs stage 3 and "
-                f"a positive size, got stage {int(self.stage)}; set stage to 3, or the key to 1 (off)"
+                f"zero_optimization.zero_hpz_partition_size={self.zero_hpz_partition_size} (hpZ) must be a positive "
+                "number of ranks per secondary group: a divisor of the world size, or 1 (off)"
+            )
+        if self.zero_hpz_partition_size > 1 and self.stage != ZeroStageEnum.weights:
+            raise ValueError(
+                f"zero_optimization.zero_hpz_partition_size={self.zero_hpz_partition_size} (hpZ) needs stage 3, got "
+                f"stage {int(self.stage)}; set stage to 3, or the key to 1 (off)"
             )
         if self.mics_hierarchical_params_gather and self.mics_shard_size < 1:
             raise ValueError(

@@ -14,7 +14,9 @@ replica of the model; the ranks at one position of every group hold the same sha
 - The fp32 masters and the optimizer state are partitioned like the parameters; replicas
   step on equal gradients and stay equal. The global gradient norm is summed over the shard
   group only (`optimizer.py` all-reduces over the parameters' group): one replica's shards
-  are the whole gradient, counting the others would multiply it by the replica count.
+  are the whole gradient, counting the others would multiply it by the replica count. Which
+  leaf-module parameters got a gradient is summed over the replicas too (the optimizer's
+  `replica_group`): an expert run only in another replica was averaged in and trains here.
 - At initialization every rank takes global rank 0's values (a broadcast over the world
   before partitioning), so the replicas start equal.
 - A checkpoint is written by the first replica alone (global ranks `[0, s)`), as a save of

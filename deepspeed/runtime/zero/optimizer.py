@@ -222,6 +222,7 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         leaf_grads: Any = None,
         parameter_offload: Any = None,
         swap: Any = None,
+        replica_group: Any = None,
     ) -> None:
         self.config = config
         self._module = module  # for parameter names in errors
@@ -234,6 +235,9 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         # The engine's leaf-module units, whose unused parameters a step must skip
         # (leaf_grads.py's note); None: there are none to ask about.
         self.leaf_grads = leaf_grads
+        # MiCS: the ranks holding the same shards in the other replicas; the step's checks of
+        # which gradients each rank produced span them too (`_global_norm_of_scaled_grads`).
+        self.replica_group = replica_group
         # Stage 3: the engine's ParameterCoordinator, under upstream's name for the object that
         # owns the module hooks (hooks.py's note on the hooks under upstream's names); None below stage 3.
         self.parameter_offload = parameter_offload
@@ -584,10 +588,18 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             for same_device in by_device.values():
                 local[0] += torch.stack(same_device).double().pow(2).sum().to(comm_device)
         dist.all_reduce(local, group=self.group)
+        ranks = dist.get_world_size(self.group)
+        if self.replica_group is not None:
+            # MiCS: the norm is one replica's (the shard group's sum: every replica holds the
+            # same averaged gradients), but which gradients were produced is the whole world's:
+            # a leaf's expert used only in another replica still trained, and every replica
+            # must step it alike.
+            dist.all_reduce(local[1:], group=self.replica_group)
+            ranks *= dist.get_world_size(self.replica_group)
         norm_sq, signatures, squares, *used = local.tolist()
         for ds_id in self.leaf_grads.unused(used) if presence else []:
             self.masters[ds_id].grad = None  # zero-filled on every rank: no rank used it
-        if squares * dist.get_world_size(self.group) != signatures * signatures:
+        if squares * ranks != signatures * signatures:
             raise RuntimeError(
                 "ZeRO step: the ranks reduced gradients of different parameters in this step (a parameter "
                 "used on some ranks only: a data-dependent branch, a routed expert, a modality-specific "
