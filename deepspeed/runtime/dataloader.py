@@ -78,6 +78,36 @@ class DeepSpeedDataLoader:
         )
         self.epoch = 0
 
+    # Upstream's attribute names, which tutorial scripts read (`trainloader.batch_size`); each
+    # is the inner loader's own setting, so there is one place that holds it.
+    @property
+    def batch_size(self) -> int:
+        return self.loader.batch_size
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def collate_fn(self) -> Any:
+        return self.loader.collate_fn
+
+    @property
+    def data_sampler(self) -> Sampler:
+        return self.sampler
+
+    @property
+    def dataloader_drop_last(self) -> bool:
+        return self.loader.drop_last
+
+    @property
+    def num_local_io_workers(self) -> int:
+        return self.loader.num_workers
+
+    @property
+    def pin_memory(self) -> bool:
+        return self.loader.pin_memory
+
     def __iter__(self):
         if hasattr(self.sampler, "set_epoch"):  # a new order each epoch, the same on every rank
             self.sampler.set_epoch(self.epoch)

@@ -28,6 +28,7 @@ have passed instead of climbing back up the cosine. `OneCycle` honours its stair
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import math
 import types
@@ -642,3 +643,137 @@ def build_lr_scheduler(name: str, optimizer: Any, params: Optional[dict] = None)
     if missing:
         raise ValueError(f"LR schedule {name} needs parameter(s) {missing}")
     return cls(optimizer, **params)
+
+
+# --------------------------------------------------------------------------- command-line arguments
+# Upstream's command-line route to a schedule (bing_bert and Megatron-style scripts):
+# `add_tuning_arguments` adds the flags, `get_config_from_args` turns them into a "scheduler"
+# block. The flags, their defaults and which ones each schedule takes are upstream's.
+
+_ARG_KEYS = {
+    LR_RANGE_TEST: (LR_RANGE_TEST_MIN_LR, LR_RANGE_TEST_STEP_RATE, LR_RANGE_TEST_STEP_SIZE, LR_RANGE_TEST_STAIRCASE),
+    # `--cycle_momentum` is not among them (upstream's choice): OneCycle keeps its default, on.
+    ONE_CYCLE: (
+        CYCLE_FIRST_STEP_SIZE, CYCLE_FIRST_STAIR_COUNT, CYCLE_SECOND_STEP_SIZE, CYCLE_SECOND_STAIR_COUNT,
+        DECAY_STEP_SIZE, CYCLE_MIN_LR, CYCLE_MAX_LR, DECAY_LR_RATE, CYCLE_MIN_MOM, CYCLE_MAX_MOM, DECAY_MOM_RATE,
+    ),
+    WARMUP_LR: (WARMUP_MIN_LR, WARMUP_MAX_LR, WARMUP_NUM_STEPS, WARMUP_TYPE),
+    # It scales each group's own lr, so it takes ratios and no warmup_min_lr / warmup_max_lr.
+    WARMUP_COSINE_LR: (WARMUP_NUM_STEPS, WARMUP_TYPE, WARMUP_MIN_RATIO, COS_MIN_RATIO),
+}  # fmt: skip
+_ARG_KEYS[WARMUP_DECAY_LR] = _ARG_KEYS[WARMUP_LR]  # (its total_num_steps has no flag)
+_ARG_KEYS = types.MappingProxyType(_ARG_KEYS)  # read-only from here on
+
+
+def add_tuning_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the schedule flags (`--lr_schedule WarmupLR --warmup_max_lr 1e-3 ...`) to `parser`."""
+    group = parser.add_argument_group("Convergence Tuning", "Convergence tuning configurations")
+    group.add_argument("--lr_schedule", type=str, default=None, help=f"one of {VALID_LR_SCHEDULES}")
+    group.add_argument("--lr_range_test_min_lr", type=float, default=0.001, help="LRRangeTest: first lr")
+    group.add_argument(
+        "--lr_range_test_step_rate", type=float, default=1.0, help="LRRangeTest: growth per interval"
+    )
+    group.add_argument(
+        "--lr_range_test_step_size", type=int, default=1000, help="LRRangeTest: steps per interval"
+    )
+    group.add_argument(
+        "--lr_range_test_staircase", default=False, action="store_true", help="LRRangeTest: grow in stairs"
+    )
+    group.add_argument("--cycle_first_step_size", type=int, default=1000, help="OneCycle: rising steps")
+    group.add_argument(
+        "--cycle_first_stair_count", type=int, default=-1, help="OneCycle: stairs while rising"
+    )
+    group.add_argument("--cycle_second_step_size", type=int, default=-1, help="OneCycle: falling steps")
+    group.add_argument(
+        "--cycle_second_stair_count", type=int, default=-1, help="OneCycle: stairs while falling"
+    )
+    group.add_argument(
+        "--decay_step_size", type=int, default=1000, help="OneCycle: steps per decay after the cycle"
+    )
+    group.add_argument("--cycle_min_lr", type=float, default=0.01, help="OneCycle: lowest lr")
+    group.add_argument("--cycle_max_lr", type=float, default=0.1, help="OneCycle: highest lr")
+    group.add_argument("--decay_lr_rate", type=float, default=0.0, help="OneCycle: lr decay after the cycle")
+    group.add_argument(
+        "--cycle_momentum", default=False, action="store_true", help="OneCycle: cycle the momentum too"
+    )
+    group.add_argument("--cycle_min_mom", type=float, default=0.8, help="OneCycle: lowest momentum")
+    group.add_argument("--cycle_max_mom", type=float, default=0.9, help="OneCycle: highest momentum")
+    group.add_argument(
+        "--decay_mom_rate", type=float, default=0.0, help="OneCycle: momentum decay after the cycle"
+    )
+    group.add_argument("--warmup_min_lr", type=float, default=0, help="WarmupLR: first lr")
+    group.add_argument("--warmup_max_lr", type=float, default=0.001, help="WarmupLR: lr after the warmup")
+    group.add_argument("--warmup_num_steps", type=int, default=1000, help="warmup steps")
+    group.add_argument(
+        "--warmup_type", type=str, default=WARMUP_LOG_RATE, help=f"one of {VALID_WARMUP_TYPES}"
+    )
+    group.add_argument("--warmup_min_ratio", type=float, default=0.01, help="WarmupCosineLR: first lr / lr")
+    group.add_argument("--cos_min_ratio", type=float, default=0.01, help="WarmupCosineLR: last lr / lr")
+    return parser
+
+
+def parse_arguments() -> tuple:
+    """`(schedule args, the other command-line arguments)` from `sys.argv`."""
+    return add_tuning_arguments(argparse.ArgumentParser()).parse_known_args()
+
+
+def _copy_given(args: Any, params: dict, schedule: str) -> None:
+    """Copy into `params` each of `schedule`'s flags that `args` has and that is not None."""
+    for key in _ARG_KEYS[schedule]:
+        value = getattr(args, key, None)
+        if value is not None:
+            params[key] = value
+
+
+def override_lr_range_test_params(args: Any, params: dict) -> None:
+    _copy_given(args, params, LR_RANGE_TEST)
+
+
+def override_1cycle_params(args: Any, params: dict) -> None:
+    _copy_given(args, params, ONE_CYCLE)
+
+
+def override_warmupLR_params(args: Any, params: dict) -> None:  # noqa: N802 - upstream's name
+    _copy_given(args, params, WARMUP_LR)
+
+
+def override_warmupCosineLR_params(args: Any, params: dict) -> None:  # noqa: N802 - upstream's name
+    _copy_given(args, params, WARMUP_COSINE_LR)
+
+
+def override_params(args: Any, params: dict) -> None:
+    """Every schedule's flags that `args` carries, into `params`."""
+    for schedule in (LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_COSINE_LR):
+        _copy_given(args, params, schedule)
+
+
+def get_config_from_args(args: Any) -> tuple:
+    """`({"type": ..., "params": {...}}, None)` from `--lr_schedule` and its flags, or
+    `(None, why not)` when `--lr_schedule` is missing or unknown."""
+    schedule = getattr(args, LR_SCHEDULE, None)
+    if schedule is None:
+        return None, f"--{LR_SCHEDULE} not specified on command line"
+    if schedule not in VALID_LR_SCHEDULES:
+        return None, f"{schedule} is not supported LR schedule; use one of {VALID_LR_SCHEDULES}"
+    params: dict = {}
+    _copy_given(args, params, schedule)
+    return {"type": schedule, "params": params}, None
+
+
+def get_lr_from_config(config: dict) -> tuple:
+    """`(the lr a "scheduler" block peaks at, "")`, or `(None, why not)`: WarmupCosineLR
+    scales each group's own lr, so its block names none."""
+    if "type" not in config:
+        return None, "LR schedule type not defined in config"
+    if "params" not in config:
+        return None, "LR schedule params not defined in config"
+    schedule, params = config["type"], config["params"]
+    if schedule not in VALID_LR_SCHEDULES:
+        return None, f"{schedule} is not a valid LR schedule"
+    if schedule == WARMUP_COSINE_LR:
+        return (
+            None,
+            f"{WARMUP_COSINE_LR} scales the optimizer learning rate by a ratio, so its params define no lr",
+        )
+    key = {LR_RANGE_TEST: LR_RANGE_TEST_MIN_LR, ONE_CYCLE: CYCLE_MAX_LR}.get(schedule, WARMUP_MAX_LR)
+    return params[key], ""

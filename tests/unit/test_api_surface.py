@@ -901,6 +901,14 @@ class TestApiSurfaceDistributed(DistributedTest):
             dist.all_gather(everyone, mine)
             seen = torch.cat(everyone).tolist()
             assert len(seen) == len(set(seen)) == ws * sum(sizes)  # disjoint shares, equal on every rank
+            # Upstream's attributes, which tutorial scripts read.
+            assert (loader.batch_size, loader.dataloader_drop_last, loader.dataset) == (2, drop_last, data)
+            assert loader.data_sampler is loader.sampler and len(loader.data_sampler) == per_rank
+            assert (loader.num_local_io_workers, loader.pin_memory, loader.collate_fn is not None) == (
+                0,
+                False,
+                True,
+            )
         engine = deepspeed.initialize(model=LeafNet(), config=_cfg())[0]
         ordered = engine.deepspeed_io(data, batch_size=3, route="eval")  # in order, still this rank's share
         assert torch.cat([b[0].reshape(-1) for b in ordered]).tolist() == [

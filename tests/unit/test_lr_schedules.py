@@ -376,3 +376,64 @@ def test_build_lr_scheduler_errors():
 
     with pytest.raises(ValueError, match="total_num_steps"):
         build_lr_scheduler("WarmupCosineLR", make_optimizer(), {"warmup_num_steps": 10})
+
+
+# --------------------------------------------------------------------------- command-line arguments
+
+
+def test_tuning_arguments_build_the_schedule_a_script_names(monkeypatch):
+    """bing_bert-style scripts: the flags `add_tuning_arguments` adds become a "scheduler"
+    block that `build_lr_scheduler` takes; each schedule copies only its own flags."""
+    import argparse
+
+    from deepspeed.runtime import lr_schedules as ls
+
+    parser = ls.add_tuning_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        [
+            "--lr_schedule",
+            "WarmupLR",
+            "--warmup_max_lr",
+            "0.02",
+            "--warmup_num_steps",
+            "4",
+            "--cycle_max_lr",
+            "9",
+        ]
+    )
+    config, error = ls.get_config_from_args(args)
+    assert error is None
+    assert config == {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.02, "warmup_num_steps": 4, "warmup_type": "log"},
+    }
+    assert ls.get_lr_from_config(config) == (0.02, "")
+    scheduler = build_lr_scheduler(config["type"], make_optimizer(), config["params"])
+    assert lr_at(scheduler, 3) == pytest.approx(0.02) and lr_at(scheduler, 10) == pytest.approx(0.02)
+
+    args = parser.parse_args(["--lr_schedule", "LRRangeTest", "--lr_range_test_staircase"])
+    config, _ = ls.get_config_from_args(args)
+    assert config["params"]["lr_range_test_staircase"] is True and ls.get_lr_from_config(config) == (
+        0.001,
+        "",
+    )
+    args = parser.parse_args(["--lr_schedule", "WarmupCosineLR", "--cos_min_ratio", "0.5"])
+    config, _ = ls.get_config_from_args(args)
+    assert set(config["params"]) == {"warmup_num_steps", "warmup_type", "warmup_min_ratio", "cos_min_ratio"}
+    assert ls.get_lr_from_config(config)[0] is None and "ratio" in ls.get_lr_from_config(config)[1]
+
+    assert ls.get_config_from_args(parser.parse_args([])) == (
+        None,
+        "--lr_schedule not specified on command line",
+    )
+    config, error = ls.get_config_from_args(parser.parse_args(["--lr_schedule", "Cosine"]))
+    assert config is None and "Cosine is not supported LR schedule" in error
+    assert ls.get_lr_from_config({"params": {}})[0] is None
+
+    params: dict = {}
+    ls.override_params(parser.parse_args(["--cycle_min_lr", "0.3"]), params)  # every schedule's flags
+    assert params["cycle_min_lr"] == 0.3 and params["warmup_max_lr"] == 0.001 and "lr_schedule" not in params
+
+    monkeypatch.setattr("sys.argv", ["train.py", "--lr_schedule", "OneCycle", "--epochs", "3"])
+    known, unknown = ls.parse_arguments()
+    assert known.lr_schedule == "OneCycle" and unknown == ["--epochs", "3"]
