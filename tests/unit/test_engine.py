@@ -885,6 +885,48 @@ class TestEngineFeatures(DistributedTest):
         large = [p for p in model.parameters() if not p.ds_persist]
         assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in large)
 
+    def test_stepping_the_client_optimizer_directly_is_refused(self):
+        """A tutorial loop's `optimizer.step()` on the optimizer it passed to initialize would
+        step this rank's master shards behind the engine's back (the ranks drift apart,
+        silently); it raises at every stage, and engine.step() then trains as plain SGD, with
+        a torch scheduler made before initialize stepping as usual and not warning."""
+        import warnings
+
+        data = batches(2, seed=3)
+        torch.manual_seed(42)
+        reference = TinyLM()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+        for ids, labels in data:
+            ref_opt.zero_grad()
+            reference(ids, labels).backward()
+            ref_opt.step()
+            ref_sched.step()
+        for stage in (1, 2, 3):
+            torch.manual_seed(42)
+            model = TinyLM()
+            client = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+            scheduler = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
+            cfg = config(zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0})
+            del cfg["optimizer"]
+            engine, *_ = deepspeed.initialize(
+                model=model, optimizer=client, lr_scheduler=scheduler, config=cfg
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # torch's "optimizer.step() has been overridden" among them
+                for i, (ids, labels) in enumerate(data):
+                    engine.backward(engine(my_slice(ids), my_slice(labels)))
+                    if i == 0:
+                        with pytest.raises(
+                            RuntimeError, match="SGD passed to deepspeed.initialize was stepped"
+                        ):
+                            client.step()
+                    engine.step()
+            assert scheduler.get_last_lr() == ref_sched.get_last_lr() == [0.125], stage
+            got = gathered_params(model)
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=f"{stage} {name}")
+
 
 class TestPrefetch(DistributedTest):
     world_size = [2]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -258,6 +259,9 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         # a ReplicatedShard (stages 0-2, see stage_1_and_2.py); None for no shard.
         self.state_of = state_of or _zero_state_of
         self.group = None
+        self._stepping_client = (
+            False  # True while step() steps the wrapped optimizer (`_refuse_direct_steps`)
+        )
         self._reduced_order = 0  # a hash of the reductions since the last step (see the note above)
         self.masters: dict = {}  # ds_id -> fp32 master nn.Parameter [partition_size]
         self._master_versions: dict = {}  # ds_id -> the shard_version the master reflects
@@ -390,7 +394,36 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         for target, group in zip(client.param_groups, groups):
             target["params"] = group["params"]
         client.state.clear()
+        self._refuse_direct_steps(client)
         return client
+
+    def _refuse_direct_steps(self, client: torch.optim.Optimizer) -> None:
+        """Make `client.step()` raise unless this wrapper is stepping it.
+
+        The script still holds the optimizer it passed to `initialize`, and a tutorial-style
+        loop calls `optimizer.step()` on it. Its param groups now hold this rank's fp32
+        master shards: such a step would move each rank's shards apart from the weights
+        (nothing unscaled, clipped or written back), silently. The guard is a bound method on
+        the instance, so torch's LR schedulers can still wrap `step` (they read `__func__`).
+        """
+        real_step = client.step
+        wrapper = self
+
+        def guarded_step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if not wrapper._stepping_client:
+                raise RuntimeError(
+                    f"the {type(optimizer).__name__} passed to deepspeed.initialize was stepped directly: under "
+                    "ZeRO its param groups hold this rank's fp32 master shards, so the model would not change "
+                    "and the ranks would drift apart; call engine.step() (or step the optimizer initialize "
+                    "returned), which unscales, clips, steps and writes the new weights back on every rank"
+                )
+            return real_step(*args, **kwargs)
+
+        # A torch LR scheduler made before initialize marked the step it wrapped; the mark
+        # (read through the bound method) keeps it from warning that step was overridden.
+        if getattr(real_step, "_wrapped_by_lr_sched", False):
+            guarded_step._wrapped_by_lr_sched = True
+        client.step = types.MethodType(guarded_step, client)
 
     # ------------------------------------------------------------------ what the engine calls
 
@@ -653,12 +686,16 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         if factor != 1.0:
             torch._foreach_mul_(self._grads(), factor)
         error = None
-        if self.swapper is None:
-            self.refresh_edited_masters()
-            self.optimizer.step()
-            self._write_back_masters()
-        else:
-            error = self.swapper.step(self._step_sub_group)
+        self._stepping_client = True  # the client optimizer's guard (`_refuse_direct_steps`) lets it step
+        try:
+            if self.swapper is None:
+                self.refresh_edited_masters()
+                self.optimizer.step()
+                self._write_back_masters()
+            else:
+                error = self.swapper.step(self._step_sub_group)
+        finally:
+            self._stepping_client = False
         self._agree_on_swapping(error)
         if self.after_step is not None:
             self.after_step()
