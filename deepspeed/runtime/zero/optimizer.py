@@ -259,9 +259,7 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         # a ReplicatedShard (stages 0-2, see stage_1_and_2.py); None for no shard.
         self.state_of = state_of or _zero_state_of
         self.group = None
-        self._stepping_client = (
-            False  # True while step() steps the wrapped optimizer (`_refuse_direct_steps`)
-        )
+        self._stepping_client = False  # True while step() steps it (`_refuse_direct_steps`)
         self._reduced_order = 0  # a hash of the reductions since the last step (see the note above)
         self.masters: dict = {}  # ds_id -> fp32 master nn.Parameter [partition_size]
         self._master_versions: dict = {}  # ds_id -> the shard_version the master reflects
