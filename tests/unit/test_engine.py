@@ -765,6 +765,31 @@ class TestEngineFeatures(DistributedTest):
         with torch.no_grad():
             assert torch.equal(engine(ids, labels), reference(ids, labels))
 
+    def test_a_destroyed_engine_is_freed_while_its_model_lives(self):
+        """RLHF loops keep the model and build engines around it in turn: a destroyed engine,
+        once dropped, must take its optimizer (fp32 masters, Adam state) with it. At stage 3
+        each submodule referred to the engine's hook coordinator, which calls back into the
+        engine, so both lived as long as the model."""
+        import gc
+        import weakref
+
+        ids, labels = batches(1)[0]
+        for stage in (1, 2, 3):
+            torch.manual_seed(42)
+            model = TinyLM()
+            cfg = config(zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0})
+            engine, optimizer, _, _ = deepspeed.initialize(model=model, config=cfg)
+            engine.backward(engine(my_slice(ids), my_slice(labels)))
+            engine.step()
+            alive = (weakref.ref(engine), weakref.ref(optimizer))
+            engine.destroy()
+            del engine, optimizer
+            gc.collect()
+            assert [ref() is None for ref in alive] == [True, True], stage
+            engine, *_ = deepspeed.initialize(model=model, config=cfg)  # the model trains on
+            engine.backward(engine(my_slice(ids), my_slice(labels)))
+            engine.step()
+
     def test_gathered_parameters_live_across_forward(self):
         engine, _ = engine_run(batches(1))
         head = engine.module.head

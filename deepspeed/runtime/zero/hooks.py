@@ -478,10 +478,16 @@ class ParameterCoordinator:
         self._register_deepspeed_module(self.module)
 
     def remove_hooks(self) -> None:
+        """Remove the hooks and the submodules' references to this coordinator: they are how
+        a model that outlives its engine (`destroy()`) would keep the engine, its optimizer
+        and their state alive (the coordinator calls back into the engine)."""
         for handle in self.forward_hooks + self.backward_hooks:
             handle.remove()
         self.forward_hooks = []
         self.backward_hooks = []
+        for sub in self.module.modules():
+            if sub.__dict__.get("_ds_coordinator") is self:
+                del sub.__dict__["_ds_coordinator"]
 
     # ------------------------------------------------------------------ fetch / release
 

@@ -620,11 +620,11 @@ class ZeroStage3Optimizer(ZeROOptimizer):
                 local[0] += torch.stack(same_device).double().pow(2).sum().to(comm_device)
         dist.all_reduce(local, group=self.group)
         ranks = dist.get_world_size(self.group)
-        if self.replica_group is not None:
+        if self.replica_group is not None and presence:
             # MiCS: the norm is one replica's (the shard group's sum: every replica holds the
-            # same averaged gradients), but which gradients were produced is the whole world's:
-            # a leaf's expert used only in another replica still trained, and every replica
-            # must step it alike.
+            # same averaged gradients), but which leaf parameters got a gradient is the whole
+            # world's: an expert used only in another replica still trained, and every replica
+            # must step it alike. (Without leaves, the step needs no collective across replicas.)
             dist.all_reduce(local[1:], group=self.replica_group)
             ranks *= dist.get_world_size(self.replica_group)
         norm_sq, signatures, squares, *used = local.tolist()
