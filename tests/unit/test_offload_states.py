@@ -127,6 +127,15 @@ class TestOffloadStates(DistributedTest):
         with pytest.raises(RuntimeError, match="reload_states"):
             engine.backward(engine(my_slice(ids), my_slice(labels)))
         engine.reload_states()
+        # lp_params alone: in fp32 its storage is also the masters', and goes with them (it
+        # stayed, freeing nothing, while forward was refused); reload brings both back.
+        shards = [p.ds_tensor.untyped_storage() for p in engine.module.parameters()]
+        masters = snapshot(engine, [OffloadStateTypeEnum.hp_params])
+        engine.offload_states(include=[OffloadStateTypeEnum.lp_params])
+        assert all(s.nbytes() == 0 for s in shards), "the model's storage is freed, masters and all"
+        with pytest.raises(RuntimeError, match=r"\['lp_params'\] are offloaded"):
+            engine(my_slice(ids), my_slice(labels))
+        reload_and_check(engine, [], masters)
         with pytest.raises(ValueError, match="not a state kind"):
             engine.offload_states(include=["moments"])
         with pytest.raises(ValueError, match="OffloadDeviceEnum.cpu"):

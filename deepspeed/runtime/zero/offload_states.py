@@ -31,7 +31,9 @@ Training in fp32 with the masters on the accelerator, an fp32 master shard is th
 shard itself (optimizer.py, `_make_master`): the same bytes are both `hp_params` and
 `lp_params`. Offloading only `hp_params` then leaves that storage where it is, since the
 model still needs it (RLHF generates with the model while the optimizer's states are off);
-it costs no memory of its own. Named together, both go.
+it costs no memory of its own. Offloading `lp_params` takes such a storage along, masters and
+all: without the model nothing can use the masters (no forward, so no gradient and no step),
+and leaving it would free nothing while forward is refused.
 
 On a CPU-only machine the accelerator is the host, so "off the accelerator" means: the
 original storages are freed (zero bytes), and the states live in separate host buffers.
@@ -142,7 +144,12 @@ class StateOffloader:
         kinds = self._parse(include, device)
         accelerator = get_accelerator()
         moved_ids = {id(t) for record in self.moved for t, *_ in record.views}
-        kept = self._storages_of(k for k in ALL_STATES if k not in kinds)
+        # What stays on the accelerator keeps the storages it shares; the masters go with the
+        # model's storage (see [Note: a state shared with one that stays]).
+        stays = [k for k in ALL_STATES if k not in kinds]
+        if OffloadStateTypeEnum.lp_params in kinds:
+            stays = [k for k in stays if k is not OffloadStateTypeEnum.hp_params]
+        kept = self._storages_of(stays)
         by_storage: dict = {}
         for kind in kinds:
             if kind is OffloadStateTypeEnum.contiguous_grad_buffer:
