@@ -308,6 +308,10 @@ def test_checkpointing_configure_records_and_resets(ckpt):
     assert ckpt.SETTINGS.checkpoint_in_cpu and ckpt.SETTINGS.profile
     ckpt.configure(None, deepspeed_config={"activation_checkpointing": {"profile": True}}, profile=False)
     assert not ckpt.SETTINGS.profile  # an explicit argument wins over the config
+    with pytest.raises(
+        ValueError, match=r"unknown key\(s\) \['partitioned_activations'\].*partition_activations"
+    ):
+        ckpt.configure(None, deepspeed_config={"activation_checkpointing": {"partitioned_activations": True}})
     ckpt.reset()
     assert not ckpt.is_configured()
 
@@ -371,6 +375,39 @@ def test_rng_tracker_forks_a_separate_stream(ckpt):
     torch.testing.assert_close(outside, torch.rand(3, device=device))  # the default stream was not disturbed
     with pytest.raises(ValueError, match="already"):
         tracker.add("other", 123 + 2718)
+
+
+def test_checkpointed_dropout_in_a_tracker_fork_recomputes_the_same_mask(ckpt):
+    """Megatron-style model-parallel dropout forks the tracker's stream inside a checkpointed
+    layer: the recomputation must draw the forward's mask (the fork had advanced the stream,
+    so it drew another and the gradients were wrong), and the stream the backward reached is
+    kept. Keyword arguments reach the function, and upstream's names for the tracker exist."""
+    from deepspeed.accelerator import get_accelerator
+
+    device = get_accelerator().device_name()
+    layer = nn.Linear(8, 8).to(device)
+
+    def region(h, scale):
+        with ckpt.get_cuda_rng_tracker().fork():
+            return nn.functional.dropout(layer(h), 0.5) * scale
+
+    x = torch.randn(4, 8, device=device)
+    grads, streams = [], []
+    for checkpointed in (False, True):
+        ckpt.model_parallel_cuda_manual_seed(7)
+        layer.zero_grad()
+        out = ckpt.checkpoint(region, x, scale=2.0) if checkpointed else region(x, scale=2.0)
+        out.sum().backward()
+        grads.append(layer.weight.grad.clone())
+        streams.append(ckpt.get_cuda_rng_tracker().get_states()[ckpt._MODEL_PARALLEL_RNG_TRACKER_NAME])
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert torch.equal(streams[1], streams[0])  # one fork's worth of draws, as without checkpointing
+    assert ckpt._CUDA_RNG_STATE_TRACKER is ckpt.get_cuda_rng_tracker()
+    assert isinstance(ckpt.get_cuda_rng_tracker(), ckpt.CudaRNGStatesTracker)
+    state = get_accelerator().get_rng_state()
+    first = torch.rand(2, device=device)
+    ckpt._set_cuda_rng_state(state)
+    assert torch.equal(torch.rand(2, device=device), first)
 
 
 # ============================================================================ FusedAdam

@@ -32,6 +32,7 @@ from deepspeed import process_state
 from deepspeed.utils.logging import logger
 
 _RNG_TRACKER_NAME = "model-parallel-rng"
+_MODEL_PARALLEL_RNG_TRACKER_NAME = _RNG_TRACKER_NAME  # upstream's name (GPT-NeoX's mpu reads it)
 # Upstream offsets the model-parallel seed so it never equals the data-parallel one.
 _MODEL_PARALLEL_SEED_OFFSET = 2718
 
@@ -105,6 +106,12 @@ def configure(
     note for what each option does here.
     """
     block = _from_config(deepspeed_config)
+    unknown = sorted(set(block) - set(CONFIG_KEYS))
+    if unknown:  # as initialize refuses them in the same block
+        raise ValueError(
+            f"deepspeed.checkpointing.configure: unknown key(s) {unknown} in the config's activation_checkpointing "
+            f"block; valid keys: {', '.join(CONFIG_KEYS)}"
+        )
     chosen = {
         "partition_activations": block.get("partition_activations", False),
         "contiguous_checkpointing": block.get("contiguous_memory_optimization", False),
@@ -181,16 +188,21 @@ def _region(function: Callable) -> Callable:
     return synchronized
 
 
-def checkpoint(function: Callable, *args: Any) -> Any:
-    """Run `function(*args)` keeping only its inputs; recompute it in backward.
+def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Run `function(*args, **kwargs)` keeping only its inputs; recompute it in backward.
 
     Non-reentrant `torch.utils.checkpoint`: parameters get gradients even when no input
-    requires one, keyword-free calls as upstream, RNG state restored for the recomputation.
+    requires one. The recomputation draws the same random numbers as the forward: torch
+    restores the default RNG, and the tracker's streams (`get_cuda_rng_tracker()`, which
+    model-parallel dropout forks into) are put back as they were when the forward began
+    (see `_tracker_contexts`).
     """
     start = time.perf_counter() if SETTINGS.profile else 0.0
     context = _cpu_context() if SETTINGS.checkpoint_in_cpu else contextlib.nullcontext()
     with context:
-        out = torch.utils.checkpoint.checkpoint(_region(function), *args, use_reentrant=False)
+        out = torch.utils.checkpoint.checkpoint(
+            _region(function), *args, use_reentrant=False, context_fn=_tracker_contexts, **kwargs
+        )
     if SETTINGS.profile:
         from deepspeed import comm as dist
 
@@ -202,6 +214,25 @@ def checkpoint(function: Callable, *args: Any) -> Any:
     return out
 
 
+def _tracker_contexts() -> tuple:
+    """`(forward context, recomputation context)` for `torch.utils.checkpoint`'s `context_fn`,
+    called as the forward begins: the recomputation runs with the tracker's streams as they
+    were then, and the streams the backward has reached come back after it. (A `fork()` in
+    the forward advances its stream; recomputing from there would draw other dropout masks.)"""
+    at_forward = _RNG_TRACKER.get_states()
+
+    @contextlib.contextmanager
+    def recompute():
+        current = _RNG_TRACKER.get_states()
+        _RNG_TRACKER.set_states(at_forward)
+        try:
+            yield
+        finally:
+            _RNG_TRACKER.set_states(current)
+
+    return contextlib.nullcontext(), recompute()
+
+
 def _cpu_context():
     from deepspeed.accelerator import get_accelerator
 
@@ -209,9 +240,9 @@ def _cpu_context():
     return torch.autograd.graph.save_on_cpu(pin_memory=pin)
 
 
-def non_reentrant_checkpoint(function: Callable, *args: Any) -> Any:
+def non_reentrant_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     """Upstream's name for the non-reentrant variant; ours always is."""
-    return checkpoint(function, *args)
+    return checkpoint(function, *args, **kwargs)
 
 
 # ============================================================================ RNG tracker
@@ -276,6 +307,22 @@ _RNG_TRACKER = RNGStatesTracker()
 process_state.register(
     "deepspeed.runtime.activation_checkpointing.checkpointing._RNG_TRACKER", _RNG_TRACKER, _RNG_TRACKER.reset
 )
+
+
+# Upstream's names for the tracker's class and instance, which Megatron-style mpu code imports.
+CudaRNGStatesTracker = RNGStatesTracker
+_CUDA_RNG_STATE_TRACKER = _RNG_TRACKER
+
+
+def _set_cuda_rng_state(new_state: torch.Tensor, device: Any = -1) -> None:
+    """Upstream's helper: make `new_state` the default RNG state of `device` (an index, a
+    name or a torch.device; -1: the current device)."""
+    from deepspeed.accelerator import get_accelerator
+
+    index = device if isinstance(device, int) and device >= 0 else None
+    if isinstance(device, (str, torch.device)):
+        index = torch.device(device).index
+    get_accelerator().set_rng_state(new_state, index)
 
 
 def get_cuda_rng_tracker() -> RNGStatesTracker:
