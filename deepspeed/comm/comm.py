@@ -315,6 +315,12 @@ _SHM_CHANNELS: weakref.WeakKeyDictionary = process_state.register(
 )
 
 
+def _outside(group: Any) -> bool:
+    """Whether this rank is not in `group` (torch hands it an int placeholder): torch's own call
+    then warns and returns, as it should, with no channel, plan or size of ours involved."""
+    return group is not None and not isinstance(group, ProcessGroup)
+
+
 def _shm_channel(group: Optional[ProcessGroup], *tensors: torch.Tensor) -> Optional[shm.ShmChannel]:
     """The group's shared-memory channel when `tensors` can use it, else None (use the backend).
 
@@ -324,6 +330,8 @@ def _shm_channel(group: Optional[ProcessGroup], *tensors: torch.Tensor) -> Optio
     for t in tensors:  # `is_cpu`: no device object made, on a path every gather takes
         if not t.is_cpu or not t.is_contiguous():
             return None
+    if _outside(group):
+        return None
     key = _dist.group.WORLD if group is None else group
     channel = _SHM_CHANNELS.get(key, False)
     if channel is not False:
@@ -344,7 +352,7 @@ def _make_shm_channel(group: Optional[ProcessGroup]) -> Optional[shm.ShmChannel]
     (it raised, or died) leaves nothing behind in /dev/shm."""
     world, rank = get_world_size(group), get_rank(group)
     answers: list = [None] * world
-    all_gather_object(
+    _dist.all_gather_object(
         answers,
         (shm.unsupported_reason(world), os.getpid(), shm.pid_namespace(), shm.env_error()),
         group=group,
@@ -362,7 +370,7 @@ def _make_shm_channel(group: Optional[ProcessGroup]) -> Optional[shm.ShmChannel]
         except OSError as exc:
             made[1] = f"cannot reserve {shm.segment_bytes(world, shm.SLOT_BYTES) >> 20} MB in /dev/shm: {exc}"
     try:
-        broadcast_object_list(made, src=get_global_rank(group, 0), group=group)
+        _dist.broadcast_object_list(made, src=get_global_rank(group, 0), group=group)
         path, token, slot_bytes = made
         channel, reason = None, token if path is None else None  # rank 0's error, when it made none
         if path is not None:
@@ -373,7 +381,7 @@ def _make_shm_channel(group: Optional[ProcessGroup]) -> Optional[shm.ShmChannel]
             except (OSError, ValueError) as exc:
                 reason = str(exc)
         mapped: list = [None] * world
-        all_gather_object(mapped, reason, group=group)
+        _dist.all_gather_object(mapped, reason, group=group)
     finally:
         # Every rank has mapped it (or failed to, or a peer never came): the name is no longer
         # needed, and a segment left in /dev/shm would hold its memory until reboot.
@@ -496,7 +504,7 @@ def reduce(
 
 def all_to_all_single(
     output: torch.Tensor,
-    input: torch.Tensor,
+    tensor: torch.Tensor,
     output_split_sizes: Optional[list] = None,
     input_split_sizes: Optional[list] = None,
     group: Optional[ProcessGroup] = None,
@@ -504,21 +512,21 @@ def all_to_all_single(
     prof: bool = False,
     log_name: str = "all_to_all_single",
 ) -> CommHandle:
-    """Rank r sends the i-th slice of `input` (along dim 0) to rank i and receives rank i's
+    """Rank r sends the i-th slice of `tensor` (along dim 0) to rank i and receives rank i's
     r-th slice into the i-th slice of `output`; equal slices unless split sizes are given.
     gloo, nccl and the CPU backends all have it natively in torch 2.13 (Ulysses' sequence
     parallelism and gloo's reduce-scatter use it). The communication logger records it."""
     if comms_logger.timing and comms_logger.idle:
-        args = (output, input, output_split_sizes, input_split_sizes, group, async_op)
-        return _timed(all_to_all_single, args, log_name, prof, group, _nbytes(input), async_op)
-    if shm.equal_slices(output, input, output_split_sizes, input_split_sizes, get_world_size(group)):
-        channel = _shm_channel(group, output, input)
+        args = (output, tensor, output_split_sizes, input_split_sizes, group, async_op)
+        return _timed(all_to_all_single, args, log_name, prof, group, _nbytes(tensor), async_op)
+    if shm.equal_slices(output, tensor, output_split_sizes, input_split_sizes, get_world_size(group)):
+        channel = _shm_channel(group, output, tensor)
         if channel is not None:
-            channel.all_to_all(output, input)
+            channel.all_to_all(output, tensor)
             return CommHandle()
     work = _dist.all_to_all_single(
         output,
-        input,
+        tensor,
         output_split_sizes=output_split_sizes,
         input_split_sizes=input_split_sizes,
         group=group,
@@ -543,13 +551,13 @@ def all_gather(
 
 def all_gather_into_tensor(
     output_tensor: torch.Tensor,
-    input_tensor: torch.Tensor,
+    tensor: torch.Tensor,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
     prof: bool = False,
     log_name: str = "all_gather_into_tensor",
 ) -> CommHandle:
-    """Concatenate every rank's `input_tensor` (equal sizes) into `output_tensor`, in rank order.
+    """Concatenate every rank's `tensor` (equal sizes) into `output_tensor`, in rank order.
 
     [Note: all-gather on gloo]
     gloo's all-gather is much slower on CPU than one broadcast per rank of the same bytes
@@ -560,31 +568,33 @@ def all_gather_into_tensor(
     bytes in the same places; nccl keeps its native all-gather.
     """
     if comms_logger.timing and comms_logger.idle:
-        args = (output_tensor, input_tensor, group, async_op)
-        return _timed(all_gather_into_tensor, args, log_name, prof, group, _nbytes(input_tensor), async_op)
+        args = (output_tensor, tensor, group, async_op)
+        return _timed(all_gather_into_tensor, args, log_name, prof, group, _nbytes(tensor), async_op)
+    if _outside(group):
+        return _handle(_ALL_GATHER_SINGLE(output_tensor, tensor, group=group, async_op=async_op), async_op)
     two_hop = hierarchical.plan_for(group)  # [Note: the two-hop all-gather]
-    if two_hop is None and output_tensor.dtype == input_tensor.dtype:
-        channel = _shm_channel(group, output_tensor, input_tensor)
+    if two_hop is None and output_tensor.dtype == tensor.dtype:
+        channel = _shm_channel(group, output_tensor, tensor)
         if channel is not None:  # the channel knows the group's size: no torch.distributed call
-            _check_gather_sizes(output_tensor, input_tensor, channel.world)
-            channel.all_gather(output_tensor, input_tensor)
+            _check_gather_sizes(output_tensor, tensor, channel.world)
+            channel.all_gather(output_tensor, tensor)
             return CommHandle()
     world, rank = get_world_size(group), get_rank(group)
-    _check_gather_sizes(output_tensor, input_tensor, world)
+    _check_gather_sizes(output_tensor, tensor, world)
     if two_hop is not None:
-        two_hop.all_gather(output_tensor, input_tensor)
+        two_hop.all_gather(output_tensor, tensor)
         return CommHandle()
     nbytes = output_tensor.numel() * output_tensor.element_size()
     on_gloo = get_backend(group) == "gloo"
     if not on_gloo or nbytes < GLOO_BROADCAST_MIN_BYTES:
-        if on_gloo and shm.overlaps(input_tensor, output_tensor):
-            input_tensor = input_tensor.clone()  # gloo copies the input into the output: no aliasing
-        work = _ALL_GATHER_SINGLE(output_tensor, input_tensor, group=group, async_op=async_op)
+        if on_gloo and shm.overlaps(tensor, output_tensor):
+            tensor = tensor.clone()  # gloo copies the input into the output: no aliasing
+        work = _ALL_GATHER_SINGLE(output_tensor, tensor, group=group, async_op=async_op)
         return _handle(work, async_op)
     chunks = output_tensor.view(-1).chunk(world)
     mine = chunks[rank]
-    if mine.data_ptr() != input_tensor.data_ptr():
-        mine.copy_(input_tensor.view(-1))
+    if mine.data_ptr() != tensor.data_ptr():
+        mine.copy_(tensor.view(-1))
     # Global source ranks: `group_src=` exists only from torch 2.6, and we support 2.1 up.
     owners = range(world) if group is None else [_dist.get_global_rank(group, i) for i in range(world)]
     works = [_dist.broadcast(c, src=src, group=group, async_op=True) for src, c in zip(owners, chunks)]
@@ -711,7 +721,7 @@ def reduce_scatter_columns(
 
 def reduce_scatter_tensor(
     output_tensor: torch.Tensor,
-    input_tensor: torch.Tensor,
+    tensor: torch.Tensor,
     op: ReduceOp = ReduceOp.SUM,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
@@ -720,7 +730,7 @@ def reduce_scatter_tensor(
     input_reusable: bool = False,
     scratch: Optional[torch.Tensor] = None,
 ) -> CommHandle:
-    """Reduce `input_tensor` over ranks; rank r keeps the r-th equal slice in `output_tensor`.
+    """Reduce `tensor` over ranks; rank r keeps the r-th equal slice in `output_tensor`.
 
     [Note: reduce-scatter on gloo]
     gloo's reduce-scatter is much slower on CPU than moving the same bytes with an
@@ -730,34 +740,34 @@ def reduce_scatter_tensor(
     `all_to_all_single` (rank r receives every rank's r-th slice, rank-major) followed by an
     add of the received rows in rank order; an all-to-all sends each byte once, where an
     all-reduce sends it twice. Other ops all-reduce and keep the slice. `scratch`: a 1D
-    buffer of at least `input_tensor.numel()` elements to receive into (the caller's reused
+    buffer of at least `tensor.numel()` elements to receive into (the caller's reused
     memory: a fresh multi-MB buffer costs page faults on the CPU); None allocates one.
     `input_reusable=True`: the all-reduce path may reduce in the caller's buffer (the caller
     discards it after). nccl keeps its native reduce-scatter.
     """
     if comms_logger.timing and comms_logger.idle:
-        args = (output_tensor, input_tensor, op, group, async_op, prof, log_name, input_reusable, scratch)
-        return _timed(reduce_scatter_tensor, args, log_name, prof, group, _nbytes(input_tensor), async_op)
-    if get_backend(group) != "gloo":
-        work = _REDUCE_SCATTER_SINGLE(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        args = (output_tensor, tensor, op, group, async_op, prof, log_name, input_reusable, scratch)
+        return _timed(reduce_scatter_tensor, args, log_name, prof, group, _nbytes(tensor), async_op)
+    if _outside(group) or get_backend(group) != "gloo":
+        work = _REDUCE_SCATTER_SINGLE(output_tensor, tensor, op=op, group=group, async_op=async_op)
         return _handle(work, async_op)
     world, rank, n = get_world_size(group), get_rank(group), output_tensor.numel()
-    if input_tensor.numel() != world * n:
+    if tensor.numel() != world * n:
         raise ValueError(
-            f"reduce_scatter_tensor: input has {input_tensor.numel()} elements, which is not {world} ranks "
+            f"reduce_scatter_tensor: input has {tensor.numel()} elements, which is not {world} ranks "
             f"x the output's {n}"
         )
-    same_dtype = output_tensor.dtype == input_tensor.dtype
-    if op == ReduceOp.SUM and same_dtype and input_tensor.dtype in shm.SUMMABLE:
-        channel = _shm_channel(group, output_tensor, input_tensor)
+    same_dtype = output_tensor.dtype == tensor.dtype
+    if op == ReduceOp.SUM and same_dtype and tensor.dtype in shm.SUMMABLE:
+        channel = _shm_channel(group, output_tensor, tensor)
         if channel is not None:
-            channel.reduce_scatter_sum(output_tensor, input_tensor)
+            channel.reduce_scatter_sum(output_tensor, tensor)
             return CommHandle()
     if op == ReduceOp.SUM:
         if scratch is None:
-            scratch = torch.empty(world * n, dtype=input_tensor.dtype, device=input_tensor.device)
+            scratch = torch.empty(world * n, dtype=tensor.dtype, device=tensor.device)
         received = scratch.view(-1)[: world * n]
-        work = _dist.all_to_all_single(received, input_tensor.reshape(-1), group=group, async_op=async_op)
+        work = _dist.all_to_all_single(received, tensor.reshape(-1), group=group, async_op=async_op)
         rows = received.view(world, n)  # row r: rank r's slice for this rank
 
         def finish() -> None:  # add the rows in rank order: the same sum however the ranks ran
@@ -770,7 +780,7 @@ def reduce_scatter_tensor(
                 out.add_(row)
 
     else:
-        buffer = input_tensor if input_reusable else input_tensor.clone()
+        buffer = tensor if input_reusable else tensor.clone()
         work = _dist.all_reduce(buffer, op=op, group=group, async_op=async_op)
 
         def finish() -> None:  # the reduction is done: keep this rank's slice
@@ -780,21 +790,3 @@ def reduce_scatter_tensor(
         return CommHandle(work, on_complete=finish)
     finish()
     return CommHandle()
-
-
-def broadcast_object_list(object_list: list, src: int = 0, group: Optional[ProcessGroup] = None) -> None:
-    _dist.broadcast_object_list(object_list, src=src, group=group)
-
-
-def all_gather_object(object_list: list, obj: Any, group: Optional[ProcessGroup] = None) -> None:
-    _dist.all_gather_object(object_list, obj, group=group)
-
-
-def monitored_barrier(
-    group: Optional[ProcessGroup] = None, timeout: Optional[datetime.timedelta] = None
-) -> None:
-    """A barrier that names the missing ranks on timeout (gloo only; falls back to `barrier`)."""
-    if get_backend(group) == "gloo":
-        _dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
-    else:
-        _dist.barrier(group=group)

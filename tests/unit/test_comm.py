@@ -165,6 +165,74 @@ class TestCollectives(DistributedTest):
             dist.all_gather_into_tensor(full, torch.ones(1))
             dist.reduce_scatter_tensor(torch.empty(1), torch.ones(dist.get_world_size()))
 
+    def test_the_rest_of_upstreams_surface(self):
+        """Point-to-point, gather/scatter, list forms, aliases, coalesced calls and probes (code
+        written for upstream's deepspeed.comm calls them), upstream's `tensor=` keyword, and a
+        rank outside a subgroup: torch's warning and return (it was a TypeError here)."""
+        rank, size = dist.get_rank(), dist.get_world_size()
+        assert dist.has_all_gather_into_tensor() and dist.has_reduce_scatter_tensor()
+        assert dist.has_all_reduce_coalesced() and isinstance(dist.has_coalescing_manager(), bool)
+        if size > 1:  # a ring: send to the next rank, receive from the previous
+            got = torch.empty(2)
+            if rank % 2 == 0:
+                dist.send(torch.full((2,), float(rank)), (rank + 1) % size)
+                assert dist.recv(got, (rank - 1) % size) == (rank - 1) % size
+            else:
+                assert dist.recv(got) == (rank - 1) % size  # any sender
+                dist.send(torch.full((2,), float(rank)), (rank + 1) % size)
+            assert torch.equal(got, torch.full((2,), float((rank - 1) % size)))
+            handles = [dist.isend(torch.full((1,), float(rank)), (rank + 1) % size), dist.irecv(got[:1])]
+            for handle in handles:
+                handle.wait()
+            assert got[0].item() == float((rank - 1) % size)
+        everyone = [torch.empty(2) for _ in range(size)] if rank == 0 else None
+        dist.gather(torch.full((2,), float(rank)), everyone, dst=0)
+        if rank == 0:
+            assert [t[0].item() for t in everyone] == [float(r) for r in range(size)]
+        mine = torch.empty(3)
+        dist.scatter(mine, [torch.full((3,), float(r)) for r in range(size)] if rank == 0 else None, src=0)
+        assert torch.equal(mine, torch.full((3,), float(rank)))
+        outs = [torch.empty(1) for _ in range(size)]
+        dist.all_to_all(outs, [torch.full((1,), float(10 * rank + r)) for r in range(size)])
+        assert [t.item() for t in outs] == [float(10 * r + rank) for r in range(size)]
+        summed = torch.empty(2)
+        dist.reduce_scatter(summed, [torch.full((2,), float(r + rank)) for r in range(size)])
+        assert torch.equal(summed, torch.full((2,), float(sum(rank + r for r in range(size)))))
+        full = torch.empty(size)
+        dist.allgather_fn(full, torch.full((1,), float(rank)))
+        assert full.tolist() == [float(r) for r in range(size)]
+        dist.all_gather_into_tensor(full, tensor=torch.full((1,), float(rank)))  # upstream's keyword
+        out = torch.empty(1)
+        dist.reduce_scatter_fn(out, torch.ones(size))
+        assert out.item() == float(size)
+        dist.reduce_scatter_tensor(out, tensor=torch.ones(size))
+        dist.all_to_all_single(torch.empty(size), tensor=torch.ones(size))
+        t = torch.ones(3)
+        dist.inference_all_reduce(t)
+        assert torch.equal(t, torch.full((3,), float(size)))
+        pieces = [torch.ones(2, 2), torch.arange(3), torch.full((1,), 2.0)]
+        for async_op in (False, True):
+            values = [p.clone() for p in pieces]
+            handle = dist.all_reduce_coalesced(values, async_op=async_op)
+            handle.wait()
+            assert all(torch.equal(v, p * size) for v, p in zip(values, pieces)), async_op
+        outs = [torch.empty(size), torch.empty(2 * size, dtype=torch.int64)]
+        dist.all_gather_coalesced(
+            outs, [torch.full((1,), float(rank)), torch.full((2,), rank)], async_op=True
+        ).wait()
+        assert outs[1].tolist() == [r for r in range(size) for _ in range(2)]
+        first = dist.new_group([0])
+        if rank != 0:  # outside the group: torch warns and returns, for each collective
+            with pytest.warns(UserWarning, match="does not belong to the given group"):
+                dist.barrier(group=first)
+                dist.all_reduce(torch.ones(1), group=first)
+                dist.all_gather_into_tensor(torch.empty(1), torch.ones(1), group=first)
+                dist.reduce_scatter_tensor(torch.empty(1), torch.ones(1), group=first)
+                dist.broadcast(torch.ones(1), 0, group=first)
+        else:
+            dist.all_reduce(torch.ones(1), group=first)
+        dist.barrier()
+
     def test_init_distributed_is_noop_when_initialized(self):
         dist.init_distributed(dist_backend="gloo", verbose=False)
         assert dist.is_initialized()
