@@ -1,4 +1,4 @@
-"""Reading a DeepSpeed config (a dict, a JSON file or base64 JSON) and the batch-size identity.
+"""Reading a DeepSpeed config (a dict, a JSON or HJSON file, or base64 text) and the batch-size identity.
 
 [Note: HJSON configs]
 Upstream reads config files and base64 configs with `hjson`, a superset of JSON: `//`, `#`
