@@ -20,6 +20,7 @@ import torch.distributed as _dist
 
 from deepspeed.comm import comm
 from deepspeed.comm.comm import CommHandle, ProcessGroup, ReduceOp
+from deepspeed.comm.handle import AllWorks  # waits on CommHandles as on torch Works
 from deepspeed.comm.handle import handle_of as _handle
 
 
@@ -170,7 +171,7 @@ def all_reduce_coalesced(tensors: list, op: ReduceOp = ReduceOp.SUM, group: Opti
     if not async_op:
         unpack()
         return CommHandle()
-    handle = CommHandle(_AllHandles([h for _, _, h in pending]))
+    handle = CommHandle(AllWorks([h for _, _, h in pending]))
     handle.after_wait(unpack)
     return handle
 
@@ -182,21 +183,7 @@ def all_gather_coalesced(output_tensors: list, input_tensors: list, group: Optio
         comm.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
         for out, inp in zip(output_tensors, input_tensors)
     ]
-    return CommHandle(_AllHandles(handles)) if async_op else CommHandle()
-
-
-class _AllHandles:
-    """Several `CommHandle`s waited on as one."""
-
-    def __init__(self, handles: list) -> None:
-        self._handles = handles
-
-    def wait(self) -> None:
-        for handle in self._handles:
-            handle.wait()
-
-    def is_completed(self) -> bool:
-        return all(handle.is_completed() for handle in self._handles)
+    return CommHandle(AllWorks(handles)) if async_op else CommHandle()
 
 
 # ----------------------------------------------------------------------------- capability probes
