@@ -4,10 +4,14 @@ comm.py gives the collectives ZeRO runs (through shared memory on one host, gloo
 paths replaced) their own implementations. What code written for upstream's
 `deepspeed.comm` also calls (point-to-point, gather and scatter, list-form all-to-all and
 reduce-scatter, the object collectives, the capability probes and old aliases) goes to
-`torch.distributed` as it is, through the communication logger when it is on, and returns
-what torch returns (a `CommHandle` for an `async_op` or `isend`/`irecv` call). `debug`,
-`prof` and `log_name` are upstream's logging arguments: `prof` and `log_name` reach the
-logger, `debug` (upstream's caller name) is accepted and unused.
+`torch.distributed` as it is. `send`, `recv`, `gather`, `scatter`, `all_to_all` and
+`reduce_scatter` go through the communication logger when it is on (with `prof` and
+`log_name`, as comm.py's collectives); the aliases log as the collective they call; the
+asynchronous point-to-point calls, the object collectives and `monitored_barrier` are not
+logged. Each collective returns a `CommHandle` (complete unless `async_op`), `recv` the
+sender's rank, `isend`/`irecv` a handle to wait on. `debug` is upstream's caller name for
+its log records: accepted and unused, since the logger finds the caller itself (it skips
+this module's frames, utils/comms_logging.py).
 """
 
 from __future__ import annotations

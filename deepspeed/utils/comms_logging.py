@@ -36,7 +36,13 @@ from deepspeed.utils.logging import print_dist
 # Op name -> the factor from the recorded message size to the bytes of the whole collective,
 # and busbw's factor of algbw as a function of the group size n.
 _ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_into_columns")
-_SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_columns", "all_to_all_single")
+_SCATTERS = (
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_columns",
+    "all_to_all_single",
+    "all_to_all",
+)
 _ROOTED = ("broadcast", "reduce", "barrier")
 
 HEADER = (
@@ -57,7 +63,7 @@ STRAGGLER_HEADER = (
     "Avg comm lat(ms)",
     "Avg straggler(ms)",
 )
-_FACADE = ("deepspeed.comm.comm", __name__)  # modules whose frames `_caller` skips
+_FACADE = ("deepspeed.comm.comm", "deepspeed.comm.passthrough", __name__)  # frames `_caller` skips
 COLUMN = 20  # characters per column of the printed tables
 TRIM = 0.1  # the fraction cut from each end of a sorted list before averaging it
 

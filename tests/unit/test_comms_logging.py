@@ -214,10 +214,20 @@ class TestCommsLogging(DistributedTest):
             )
         else:
             assert lines == []
+        # The calls passed to torch.distributed (comm/passthrough.py) are recorded the same way.
+        dist.configure(verbose=False)
+        dist.reset_log()
+        _named_gatherer(t)
+        assert dist.get_logged_comm_ops() == ["gather | [Caller Func: _named_gatherer]"]
 
 
 def _named_caller(t: torch.Tensor) -> None:
     dist.all_reduce(t)
+
+
+def _named_gatherer(t: torch.Tensor) -> None:
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather(t, everyone, dst=0)
 
 
 # ------------------------------------------------------------------------------ single process
