@@ -48,6 +48,36 @@ class EngineQueries:
     def gradient_accumulation_steps(self) -> int:
         return self._config.gradient_accumulation_steps
 
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size through the accumulation steps (the micro-batch size
+        stays): it must be a multiple of micro-batch size x data-parallel ranks."""
+        micro, ranks = self.train_micro_batch_size_per_gpu(), self._config.world_size
+        if train_batch_size < 1 or train_batch_size % (micro * ranks):
+            raise ValueError(
+                f"engine.set_train_batch_size({train_batch_size}): must be a positive multiple of "
+                f"train_micro_batch_size_per_gpu ({micro}) x data-parallel ranks ({ranks})"
+            )
+        self._change_batch_sizes(micro, train_batch_size // (micro * ranks), "set_train_batch_size")
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro-batch size; the accumulation steps stay, so the global batch follows."""
+        if micro_batch_size < 1:
+            raise ValueError(f"engine.set_train_micro_batch_size({micro_batch_size}): must be >= 1")
+        self._change_batch_sizes(
+            micro_batch_size, self.gradient_accumulation_steps(), "set_train_micro_batch_size"
+        )
+
+    def _change_batch_sizes(self, micro: int, gas: int, caller: str) -> None:
+        if self.micro_steps % self.gradient_accumulation_steps():
+            raise RuntimeError(
+                f"engine.{caller}: {self.micro_steps % self.gradient_accumulation_steps()} micro-steps of "
+                "an accumulation are pending; call it after the boundary's step()"
+            )
+        self._config.train_micro_batch_size_per_gpu = micro
+        self._config.gradient_accumulation_steps = gas
+        self._config.train_batch_size = micro * gas * self._config.world_size
+        self.tput_timer.batch_size = micro * gas
+
     def get_global_grad_norm(self) -> Union[torch.Tensor, float, None]:
         return None if self.optimizer is None else self.optimizer.get_global_grad_norm()
 

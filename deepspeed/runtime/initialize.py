@@ -1,4 +1,5 @@
-"""`deepspeed.initialize`: build a `DeepSpeedEngine` with upstream's signature and return values."""
+"""`deepspeed.initialize`: build a `DeepSpeedEngine` (a `PipelineEngine` for a `PipelineModule`)
+with upstream's signature and return values."""
 
 from __future__ import annotations
 
@@ -73,10 +74,13 @@ def initialize(
         distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False
     )
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.module import PipelineModule
 
+    engine_class = PipelineEngine if isinstance(model, PipelineModule) else DeepSpeedEngine
     shutdown_init_context()
     try:
-        engine = DeepSpeedEngine(
+        engine = engine_class(
             args=args,
             model=model,
             optimizer=optimizer,

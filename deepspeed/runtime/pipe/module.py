@@ -2,10 +2,11 @@
 
 Upstream splits a list of layers across pipeline stages, each built only on the ranks that
 run it, and trains them with its pipeline engine. With one stage there is nothing to split:
-a `PipelineModule` is the sequential model of its layers, and `deepspeed.initialize` trains
-it like any module (every rank holds all layers; ZeRO-3 partitions them across the data-
-parallel ranks). More than one stage needs pipeline parallelism, which this package does
-not implement: `num_stages > 1` (or a topology with a pipeline axis > 1) raises, naming it.
+a `PipelineModule` is the sequential model of its layers, and `deepspeed.initialize` returns
+a `PipelineEngine` (engine.py) whose `train_batch()` / `eval_batch()` run it like any module
+(every rank holds all layers; ZeRO-3 partitions them across the data-parallel ranks). More
+than one stage needs pipeline parallelism, which this package does not implement:
+`num_stages > 1` (or a topology with a pipeline axis > 1, or a model axis > 1) raises, naming it.
 
 Layers are given as `LayerSpec(cls, *args, **kwargs)` (built here, so a model built under
 `zero.Init` is partitioned as it is made), as built `nn.Module`s, or as plain callables
@@ -71,6 +72,10 @@ def _pipeline_size(topology: Any) -> int:
     return int(getattr(topology, "num_stages", 1))
 
 
+def _model_parallel_size(topology: Any) -> int:
+    return max(1, int(topology.get_dim("model"))) if hasattr(topology, "get_dim") else 1
+
+
 class PipelineModule(nn.Module):
     """A sequential model built from layer specs; one pipeline stage (see the module docstring)."""
 
@@ -100,12 +105,19 @@ class PipelineModule(nn.Module):
                 f"PipelineModule: {name} asks for {max(stages, _pipeline_size(topology))} pipeline stages; "
                 "pipeline parallelism is not implemented here, only num_stages=1 (a sequential model)"
             )
+        if _model_parallel_size(topology) != 1:
+            raise ValueError(
+                f"PipelineModule: the topology has {_model_parallel_size(topology)} model-parallel ranks; "
+                "tensor parallelism inside a PipelineModule is not implemented here: use a topology "
+                "with one model-parallel rank (PipeDataParallelTopology(num_pp=1, num_dp=world_size))"
+            )
         if activation_checkpoint_interval < 0:
             raise ValueError(
                 f"PipelineModule: activation_checkpoint_interval={activation_checkpoint_interval} must be >= 0"
             )
         self.num_stages = 1
         self.stage_id = 0
+        self._topology = topology
         self.loss_fn = loss_fn
         self.seed_layers = seed_layers
         self.seed_fn = seed_fn
@@ -171,6 +183,18 @@ class PipelineModule(nn.Module):
         return x
 
     def topology(self) -> Any:
+        """The topology given, else one stage with every rank on the data axis."""
+        if self._topology is None:
+            from deepspeed import comm as dist
+            from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            self._topology = PipeDataParallelTopology(num_pp=1, num_dp=world)
+        return self._topology
+
+    def get_additional_losses(self) -> Optional[dict]:
+        """Override to return `{name: scalar tensor}` computed in the last forward (an auxiliary
+        loss to report beside the main one); the pipeline engine averages each like the loss."""
         return None
 
     def partitions(self) -> list:
