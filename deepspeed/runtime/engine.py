@@ -575,7 +575,7 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
 
     def was_step_applied(self) -> bool:
         """Whether the latest `step()` updated the parameters: False off an accumulation
-        boundary (no optimizer step ran) and when an fp16 overflow skipped it."""
+        boundary (no optimizer step ran) and when inf/nan gradients skipped it."""
         if self.optimizer is None or self.micro_steps == 0:
             return False
         if self._boundary_override is not None:

@@ -59,9 +59,6 @@ class DeepSpeedBF16Config(DeepSpeedConfigModel):
     """`bf16` (also spelt `bfloat16`): train in bfloat16; no loss scaling is needed."""
 
     _unsupported: ClassVar[dict[str, Unsupported]] = {
-        "check_grad_overflow": unsupported_when_true(
-            "bf16 steps are not skipped on inf/nan gradients; use fp16 for overflow-skipping steps"
-        ),
         "bf16_master_weights_and_grads": unsupported_when_true(
             "master weights and gradients are always kept in fp32"
         ),
@@ -78,8 +75,9 @@ class DeepSpeedBF16Config(DeepSpeedConfigModel):
     immediate_grad_update: bool = False
     """Upstream: apply gradients to the fp32 copy as they arrive; always so here (no effect)."""
 
-    check_grad_overflow: bool = False
-    """Upstream: skip a step on inf/nan bfloat16 gradients; true is refused (not implemented)."""
+    check_grad_overflow: bool = True
+    """Skip a step whose gradients hold inf or nan (upstream's default); false applies it at
+    stages 1-2 (stage 3 skips such a step whatever this says, as upstream's)."""
 
     bf16_master_weights_and_grads: bool = False
     """Upstream: keep master weights and gradients in bfloat16; true is refused (always fp32)."""

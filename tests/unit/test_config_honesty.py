@@ -64,6 +64,7 @@ READERS = {
     "fp16.consecutive_hysteresis": "dynamic_loss_scale_args",
     "fp16.min_loss_scale": "dynamic_loss_scale_args",
     "bf16.enabled": "bfloat16_enabled",
+    "bf16.check_grad_overflow": "bfloat16_check_grad_overflow",
     "optimizer.type": "optimizer_name",
     "optimizer.params": "optimizer_params",
     "scheduler.type": "scheduler_name",

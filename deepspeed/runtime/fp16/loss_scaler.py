@@ -97,7 +97,9 @@ class LossScalerBase:
 class LossScaler(LossScalerBase):
     """A fixed loss scale.
 
-    As in DeepSpeed, a static scaler reports no overflow: static scaling never skips a step.
+    As in DeepSpeed, a static scaler's own `has_overflow` reports none and its scale never
+    changes; whether a step with inf/nan gradients is skipped is the ZeRO optimizer's decision
+    (`zero/optimizer.py`'s `skips_nonfinite_steps`), taken on the global norm.
     """
 
     def __init__(self, scale: float = 1) -> None:

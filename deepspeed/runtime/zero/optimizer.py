@@ -40,6 +40,7 @@ for the same master before that settles the first two.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import types
 from typing import Any, Callable, Optional, Union
@@ -55,6 +56,7 @@ from deepspeed.runtime.zero import param_swap
 from deepspeed.runtime.zero.lifecycle import ZeroParamState
 from deepspeed.runtime.zero.parameter import is_zero_param
 from deepspeed.runtime.zero.utils import ZeROOffloadOptimizerError
+from deepspeed.utils.logging import log_dist
 
 # Keys of the config's optimizer params that choose the optimizer rather than configure it:
 # upstream reads and removes them before building one. Every other key goes to the optimizer's
@@ -204,6 +206,15 @@ class UnusedParametersError(RuntimeError, AssertionError):
     false`. Also an AssertionError, which is what upstream raises there and what its users catch."""
 
 
+def skips_nonfinite_steps(config: Any) -> bool:
+    """Whether a step whose gradients hold inf or nan is skipped, as upstream 0.19 does: at
+    every stage and precision (fp16 also backs its loss scale off), except bf16 with
+    `bf16.check_grad_overflow: false` at stages 1-2, which applies it (upstream's stage 3 and
+    its stage-0 bf16 optimizer skip on an invalid norm whatever that key says)."""
+    opted_out = config.bfloat16_enabled and not config.bfloat16_check_grad_overflow
+    return not (opted_out and config.zero_optimization_stage in (1, 2))
+
+
 class ZeroStage3Optimizer(ZeROOptimizer):
     """Steps fp32 master shards; `param_groups` and `state` are the wrapped optimizer's."""
 
@@ -286,6 +297,7 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             config.dynamic_loss_scale_args,
         )
         self.overflow = False
+        self.skips_nonfinite_steps = skips_nonfinite_steps(config)
         self.clip = float(config.gradient_clipping or 0.0)
         self._global_grad_norm: Optional[float] = None
 
@@ -671,10 +683,17 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         scaled_norm = self._global_norm_of_scaled_grads()
         if not self.config.zero_config.ignore_unused_parameters:
             self._refuse_unused_parameters()
-        self.overflow = self.config.fp16_enabled and not math.isfinite(scaled_norm)
+        self.overflow = self.skips_nonfinite_steps and not math.isfinite(scaled_norm)
         if self.overflow:
-            self.loss_scaler.update_scale(True)
+            self.loss_scaler.update_scale(True)  # fp16's dynamic scale backs off (and logs it)
             self._global_grad_norm = float("inf")  # as upstream reports a skipped step's norm
+            if not self.loss_scaler.dynamic:
+                log_dist(
+                    f"step skipped: the gradients hold inf or nan (global norm {scaled_norm}); the weights, "
+                    "optimizer state and learning-rate schedule are unchanged",
+                    ranks=[0],
+                    level=logging.WARNING,
+                )
             return False
         norm = scaled_norm / scale
         self._global_grad_norm = norm
