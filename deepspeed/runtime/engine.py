@@ -442,9 +442,11 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         raise RuntimeError(
             f"{where}: gradients of this engine's parameters ({first}, ...) came from a backward outside "
             "engine.backward(loss), such as loss.backward(); the engine scales, reduces and partitions "
-            "gradients in engine.backward, so call engine.backward(loss) instead (if another model's backward "
-            "reached these parameters, discard those gradients with zero_grad() before this engine's "
-            "backward, or detach this engine's outputs there)"
+            "gradients in engine.backward, so call engine.backward(loss) instead. If another model's backward "
+            "reached these parameters (a GAN's generator loss through its discriminator), freeze them for that "
+            "backward (requires_grad_(False)), detach this engine's outputs there, or discard those gradients "
+            "with engine.zero_grad() before this engine's backward (the engine's own: under accelerate, "
+            "optimizer.zero_grad() leaves gradients to the engine and does nothing)"
         )
 
     def _discard_unreduced_grads(self) -> None:
