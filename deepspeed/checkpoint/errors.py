@@ -7,6 +7,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved or loaded; the message names the file and the problem."""
 
 
+class CheckpointArgumentError(CheckpointError, ValueError):
+    """A save or load call's argument is unusable (an empty `save_dir`); a ValueError too, as
+    upstream raises one there."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file names globals outside the loader's allowlist; nothing of it was run.
 

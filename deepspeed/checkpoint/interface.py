@@ -91,5 +91,9 @@ class CheckpointEngine(Protocol):
         """Whether the ranks of a node load one after another (`pipeline_loading_checkpoint`);
         raises ValueError where the config asks for it and the engine cannot."""
 
+    def checkpoint_tag_validation(self) -> str:
+        """`checkpoint.tag_validation`, lower case: what a save does with a tag that differs
+        between ranks ("ignore", "warn" or "fail")."""
+
     def publishes_on_every_node(self) -> bool:
         """Whether every node's first rank writes `latest` (`use_node_local_storage`), not rank 0 alone."""

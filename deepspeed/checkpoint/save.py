@@ -15,7 +15,7 @@ import torch
 
 from deepspeed.checkpoint import layout, rank_phases
 from deepspeed.checkpoint.atomic_write import atomic_torch_save
-from deepspeed.checkpoint.errors import CheckpointError
+from deepspeed.checkpoint.errors import CheckpointArgumentError, CheckpointError
 from deepspeed.checkpoint.interface import CheckpointEngine
 from deepspeed.checkpoint.layout import ParamMeta
 from deepspeed.checkpoint.safe_load import TRUST_ENV, refused_globals
@@ -137,11 +137,13 @@ def save_checkpoint(
     exclude_frozen_parameters: bool,
 ) -> bool:
     """`engine.save_checkpoint` (see its docstring): every rank writes, then `latest` moves."""
+    rank_phases.on_all_ranks("save_checkpoint", _check_save_dir, save_dir)
     if tag is None:
         tag = f"global_step{engine.checkpoint_counters()['global_steps']}"
     tag = str(tag)
     engine.settle_before_save()  # a live modifier gather's edits go into the shards first
     header = _save_header(engine, tag)  # collective: before anything that can fail on one rank
+    tag = _tag_to_save_under(engine, header["tag"], tag)
     ckpt_dir = os.path.join(save_dir, tag)
     rank_phases.on_all_ranks(
         "save_checkpoint",
@@ -157,6 +159,31 @@ def save_checkpoint(
     rank_phases.on_all_ranks("save_checkpoint", _publish_save, engine, save_dir, ckpt_dir, tag, save_latest)
     log_dist(f"saved checkpoint {ckpt_dir} on {rank_phases.world_size()} rank(s)", ranks=[0])
     return True
+
+
+def _check_save_dir(save_dir: Any) -> None:
+    if not isinstance(save_dir, (str, os.PathLike)) or not os.fspath(save_dir):
+        raise CheckpointArgumentError(
+            f"save_checkpoint(save_dir={save_dir!r}): pass the folder to save into (it is created if missing)"
+        )
+
+
+def _tag_to_save_under(engine: CheckpointEngine, rank0_tag: str, tag: str) -> str:
+    """Rank 0's tag, where this rank's differs and `checkpoint.tag_validation` lets the save go
+    on: "warn" (upstream's default) says so, "ignore" does not. One folder holds the save
+    either way (upstream would write each rank's files under its own tag, a checkpoint no
+    load can read). "fail" keeps this rank's tag, which the write phase refuses on every rank."""
+    if tag == rank0_tag:
+        return tag
+    mode = engine.checkpoint_tag_validation()
+    if mode == "fail":
+        return tag
+    if mode == "warn":
+        logger.warning(
+            f"checkpoint tag {tag!r} on rank {engine.checkpoint_rank_and_world()[0]} differs from rank 0's "
+            f"{rank0_tag!r}: saving under {rank0_tag!r} (checkpoint.tag_validation 'Warn'; 'Fail' refuses)"
+        )
+    return rank0_tag
 
 
 def _save_header(engine: CheckpointEngine, tag: str) -> dict:
@@ -178,7 +205,10 @@ def _write_rank_files(
 ) -> None:
     layout.check_tag(tag)
     if header["tag"] != tag:
-        raise ValueError(f"checkpoint tag {tag!r} differs from rank 0's {header['tag']!r}; pass one tag")
+        raise ValueError(
+            f"checkpoint tag {tag!r} differs from rank 0's {header['tag']!r} (checkpoint.tag_validation "
+            "'Fail'); pass the same tag on every rank"
+        )
     if not engine.checkpoint_writes_files():
         _refuse_replicas_on_node_local_storage(engine)
         return  # a MiCS replica: the first replica writes these shards

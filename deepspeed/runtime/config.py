@@ -64,6 +64,7 @@ from deepspeed.runtime.zero.config import (
     ZeroStageEnum,
     legacy_zero_value,
 )
+from deepspeed.utils.logging import get_log_level_from_string
 from deepspeed.utils.logging import logger as ds_logger
 
 __all__ = [
@@ -150,7 +151,7 @@ _AIO_DEFAULTS = {
     "use_gds": False,
 }
 _AIO_DEFAULTS = types.MappingProxyType(_AIO_DEFAULTS)  # read-only from here on
-_CHECKPOINT_DEFAULTS = {"tag_validation": ("warn", "fail"), "load_universal": (False,)}
+_CHECKPOINT_DEFAULTS = {"tag_validation": ("ignore", "warn", "fail"), "load_universal": (False,)}
 _CHECKPOINT_DEFAULTS = types.MappingProxyType(_CHECKPOINT_DEFAULTS)  # read-only from here on
 
 
@@ -258,8 +259,8 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
             "universal checkpoints are not read; checkpoints saved here load on any number of ranks as they are"
         ),
         "checkpoint": Unsupported(
-            "supported entries are use_node_local_storage, tag_validation 'Warn' or 'Fail' (a tag that "
-            "differs between ranks always raises) and load_universal false",
+            "supported entries are use_node_local_storage, tag_validation 'Ignore', 'Warn' or 'Fail' "
+            "and load_universal false",
             _checkpoint_supported,
         ),
         "data_types": Unsupported(
@@ -307,10 +308,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         "disable_python_gc": Unsupported(
             "Python's garbage collector runs as usual; remove the key or set it to false",
             lambda value: value is False or value == 0,
-        ),
-        "log_level": Unsupported(
-            "the package logger's level comes from the DEEPSPEED_LOG_LEVEL environment variable "
-            "(deepspeed.utils.logging); remove the key and set that instead"
         ),
     }
     _no_effect: ClassVar[dict[str, str]] = {
@@ -408,7 +405,7 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     data-parallel ranks. An mpu from `register_with_transformers` sets it; both given must agree."""
 
     checkpoint: FreeForm = None
-    """Checkpoint options; use_node_local_storage and tag_validation Warn/Fail are read, others refused."""
+    """Checkpoint options; use_node_local_storage and tag_validation are read, others refused."""
 
     data_types: FreeForm = None
     """Data type options; ``grad_accum_dtype`` "fp32" (what happens here) parses, others are refused."""
@@ -512,7 +509,15 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     """Upstream: disable Python's garbage collector (and collect every N steps); refused."""
 
     log_level: Optional[str] = None
-    """Upstream: the package log level; refused (set DEEPSPEED_LOG_LEVEL instead)."""
+    """The package logger's level ("debug" ... "critical"), set at initialize; None leaves it
+    (DEEPSPEED_LOG_LEVEL, default WARNING)."""
+
+    @field_validator("log_level", mode="after")
+    @classmethod
+    def _check_log_level(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            get_log_level_from_string(value)  # raises naming the valid levels
+        return value
 
     @field_validator("flops_profiler", mode="before")
     @classmethod
@@ -701,6 +706,7 @@ class DeepSpeedConfig:
             "disable_allgather",
             "graph_harvesting",
             "dataloader_drop_last",
+            "log_level",
         ):
             setattr(self, name, getattr(typed, name))
         self.flops_profiler_config = typed.flops_profiler
@@ -713,6 +719,8 @@ class DeepSpeedConfig:
         self.load_universal_checkpoint = typed.load_universal_checkpoint or bool(
             self.checkpoint_config.get("load_universal", False)
         )
+        # What a save does with a tag that differs between ranks (checkpoint/save.py's _tag_to_save_under).
+        self.checkpoint_tag_validation = str(self.checkpoint_config.get("tag_validation", "warn")).lower()
         self.use_node_local_storage = typed.use_node_local_storage or bool(
             self.checkpoint_config.get("use_node_local_storage", False)
         )
@@ -758,3 +766,13 @@ def _normalise_optimizer_name(name: Optional[str]) -> Optional[str]:
 
 def _comm_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return None if name is None else _COMM_DTYPES[name]
+
+
+def get_gradient_clipping(param_dict: dict) -> float:
+    """Upstream's reader: a raw config dict's `gradient_clipping` (default 1.0, as upstream 0.19)."""
+    return param_dict.get("gradient_clipping", DeepSpeedRootConfig.model_fields["gradient_clipping"].default)
+
+
+def get_log_level(param_dict: dict) -> Optional[str]:
+    """Upstream's reader: a raw config dict's `log_level` (default None: the logger is left as it is)."""
+    return param_dict.get("log_level")

@@ -44,7 +44,7 @@ from deepspeed.runtime.zero.offload_states import StateOffloader
 from deepspeed.runtime.zero.optimizer import ZeroStage3Optimizer
 from deepspeed.runtime.zero.parameter import is_zero_param
 from deepspeed.runtime.zero.stage import NoSyncError, choose_strategy
-from deepspeed.utils.logging import logger
+from deepspeed.utils.logging import logger, set_log_level_from_string
 from deepspeed.utils.timer import EngineTimers, SynchronizedWallClockTimer, ThroughputTimer
 from deepspeed.utils.z3_leaf_module import apply_leaf_module_config
 
@@ -70,6 +70,8 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"deepspeed.initialize: model must be an nn.Module, got {type(model).__name__}")
         self._config = config if isinstance(config, DeepSpeedConfig) else DeepSpeedConfig(config, mpu=mpu)
+        if self._config.log_level is not None:  # upstream's config key: the package logger's level
+            set_log_level_from_string(self._config.log_level)
         dist.configure(self._config)  # the communication logger: its comms_logger section, if any
         # The step's all-gather / reduce-scatter ms, for the monitors; withdrawn at destroy().
         self._times_collectives = bool(self._config.wall_clock_breakdown)
@@ -730,3 +732,6 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
 
     def publishes_on_every_node(self) -> bool:
         return bool(self._config.use_node_local_storage)
+
+    def checkpoint_tag_validation(self) -> str:
+        return self._config.checkpoint_tag_validation

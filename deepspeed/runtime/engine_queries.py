@@ -164,6 +164,10 @@ class EngineQueries:
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
 
+    def log_level(self) -> Optional[str]:
+        """The config's `log_level` (None when absent)."""
+        return self._config.log_level
+
     def steps_per_print(self) -> Any:
         return self._config.steps_per_print
 

@@ -8,7 +8,7 @@ free of a cycle and `import deepspeed.utils` light.
 import types as _types
 
 from deepspeed import _lazy_attributes
-from deepspeed.utils.logging import log_dist, logger
+from deepspeed.utils.logging import get_log_level_from_string, log_dist, logger, set_log_level_from_string
 
 # Imported eagerly (the module imports nothing heavy): the function `z3_leaf_module` shares its
 # module's name, and importing the submodule binds that name in this package to the module,
@@ -43,8 +43,10 @@ _LAZY = _types.MappingProxyType(_LAZY)  # read-only from here on
 
 __all__ = [
     "groups",
+    "get_log_level_from_string",
     "log_dist",
     "logger",
+    "set_log_level_from_string",
     "zero_to_fp32",
     "get_z3_leaf_modules",
     "set_z3_leaf_module",
