@@ -12,6 +12,11 @@ class CheckpointArgumentError(CheckpointError, ValueError):
     upstream raises one there."""
 
 
+class CheckpointTagMismatch(CheckpointError, AssertionError):
+    """`save_checkpoint` got different tags on different ranks under `checkpoint.tag_validation`
+    "Fail"; an AssertionError too, as upstream's check is an assert."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file names globals outside the loader's allowlist; nothing of it was run.
 

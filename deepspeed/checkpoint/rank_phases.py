@@ -6,6 +6,8 @@ open and check every file; apply). Each phase ends with one `all_gather_object` 
 ranks' error messages, which doubles as the barrier between phases. If any rank failed,
 every rank raises the same `CheckpointError` listing each failed rank's message (a missing
 or truncated file is named there), so no rank waits in a collective its peers never join.
+Where the first failed rank raised a subclass from errors.py (an unsafe file, a bad
+argument), every rank raises that subclass, so a caller catching it sees it on every rank.
 A load checks every file and the fit to the model before it changes anything, so an error
 leaves the engine as it was.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from deepspeed import comm as dist
+from deepspeed.checkpoint import errors
 from deepspeed.checkpoint.errors import CheckpointError
 
 
@@ -36,18 +39,20 @@ def on_all_ranks(what: str, fn: Callable, *args: Any, agree: bool = False) -> An
     except Exception as err:  # reported to every rank below, then re-raised as the cause
         error = err
     message = None if error is None else _describe(error)
-    outcomes = [(message, result if agree else None)]
+    kind_name = type(error).__name__ if isinstance(error, CheckpointError) else None
+    outcomes = [(message, kind_name, result if agree else None)]
     if world_size() > 1:
         outcomes = [None] * world_size()
-        dist.all_gather_object(outcomes, (message, result if agree else None))
-    failed = [(r, m) for r, (m, _) in enumerate(outcomes) if m is not None]
+        dist.all_gather_object(outcomes, (message, kind_name, result if agree else None))
+    failed = [(r, m, k) for r, (m, k, _) in enumerate(outcomes) if m is not None]
     if failed:
-        lines = "; ".join(f"rank {r}: {m}" for r, m in failed)
-        # A refused file raises `UnsafeCheckpointError` on the ranks that refused it.
-        kind = type(error) if isinstance(error, CheckpointError) else CheckpointError
+        lines = "; ".join(f"rank {r}: {m}" for r, m, _ in failed)
+        kind = getattr(errors, failed[0][2] or "", None)
+        if not (isinstance(kind, type) and issubclass(kind, CheckpointError)):
+            kind = CheckpointError
         raise kind(f"{what} failed on {len(failed)} of {len(outcomes)} rank(s): {lines}") from error
-    if agree and any(res != outcomes[0][1] for _, res in outcomes):
-        answers = ", ".join(f"rank {r}: {res!r}" for r, (_, res) in enumerate(outcomes))
+    if agree and any(res != outcomes[0][2] for _, _, res in outcomes):
+        answers = ", ".join(f"rank {r}: {res!r}" for r, (_, _, res) in enumerate(outcomes))
         raise CheckpointError(
             f"{what}: the ranks disagree ({answers}); every rank must pass the same arguments and see "
             "the same files (one directory shared by all ranks)"

@@ -15,7 +15,7 @@ import torch
 
 from deepspeed.checkpoint import layout, rank_phases
 from deepspeed.checkpoint.atomic_write import atomic_torch_save
-from deepspeed.checkpoint.errors import CheckpointArgumentError, CheckpointError
+from deepspeed.checkpoint.errors import CheckpointArgumentError, CheckpointError, CheckpointTagMismatch
 from deepspeed.checkpoint.interface import CheckpointEngine
 from deepspeed.checkpoint.layout import ParamMeta
 from deepspeed.checkpoint.safe_load import TRUST_ENV, refused_globals
@@ -205,7 +205,7 @@ def _write_rank_files(
 ) -> None:
     layout.check_tag(tag)
     if header["tag"] != tag:
-        raise ValueError(
+        raise CheckpointTagMismatch(
             f"checkpoint tag {tag!r} differs from rank 0's {header['tag']!r} (checkpoint.tag_validation "
             "'Fail'); pass the same tag on every rank"
         )
