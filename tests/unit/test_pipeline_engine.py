@@ -198,6 +198,24 @@ class TestGrid(DistributedTest):
             PipelineParallelGrid(topology=PipeDataParallelTopology(num_pp=1, num_dp=3))
 
 
+class TestTrainingDataOrder(DistributedTest):
+    world_size = 2
+
+    def test_ragged_data_is_padded_in_order(self):
+        """As upstream's pipeline loader (torch's DistributedSampler, no shuffling): 5 samples on
+        2 ranks, micro-batches of 2: rank 0 reads [0, 2], [4]; rank 1 [1, 3], [0] (padded)."""
+        data = torch.utils.data.TensorDataset(
+            torch.arange(5.0).unsqueeze(1), torch.zeros(5, dtype=torch.long)
+        )
+        module = PipelineModule(layers=[nn.Linear(1, 2)], num_stages=1, loss_fn=nn.CrossEntropyLoss())
+        engine, *_ = deepspeed.initialize(
+            model=module, model_parameters=module.parameters(), training_data=data, config=_config(1, 1)
+        )
+        seen = [next(engine.data_iterator)[0].flatten().tolist() for _ in range(3)]
+        rank = torch.distributed.get_rank()
+        assert seen == ([[0.0, 2.0], [4.0], [0.0, 2.0]] if rank == 0 else [[1.0, 3.0], [0.0], [1.0, 3.0]])
+
+
 def _summed(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     torch.distributed.all_reduce(t)
@@ -248,3 +266,49 @@ def test_pipeline_module_refuses_what_is_not_built():
         PipelineModule(layers=_layers(), topology=PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=1))
     module = PipelineModule(layers=_layers(), topology=PipeDataParallelTopology(num_pp=1, num_dp=1))
     assert module.topology().get_dim("data") == 1 and module.get_additional_losses() is None
+    with pytest.raises(ValueError, match="partition_method='profile'"):
+        PipelineModule(layers=_layers(), num_stages=1, partition_method="profile")
+
+
+def test_initial_weights_follow_upstreams_random_draws():
+    """partition_method "parameters" (the default) builds each LayerSpec once to count its
+    parameters before building the model, as upstream; "uniform" does not. A seeded script
+    then starts from upstream's weights."""
+    specs = [LayerSpec(nn.Linear, 3, 3), LayerSpec(nn.Linear, 3, 2)]
+    torch.manual_seed(5)
+    counted = [spec.build() for spec in specs]  # the counting build, dropped
+    built = [spec.build() for spec in specs]
+    torch.manual_seed(5)
+    by_parameters = PipelineModule(layers=specs, num_stages=1)
+    torch.manual_seed(5)
+    uniform = PipelineModule(layers=specs, num_stages=1, partition_method="uniform")
+    for index in range(2):
+        assert torch.equal(getattr(by_parameters, str(index)).weight, built[index].weight)
+        assert torch.equal(getattr(uniform, str(index)).weight, counted[index].weight)
+
+
+def test_seed_layers_reseeds_every_layer_of_every_forward():
+    """seed_layers: layer i of the k-th forward runs under seed base_seed x (k + 1) + i, as
+    upstream, here a dropout mask; a checkpointed chunk draws the same mask on recomputation."""
+    from deepspeed.runtime.utils import set_random_seed
+
+    for interval in (0, 1):
+        layers = [nn.Linear(4, 4), nn.Dropout(0.5)]
+        module = PipelineModule(
+            layers=layers,
+            num_stages=1,
+            seed_layers=True,
+            base_seed=7,
+            activation_checkpoint_interval=interval,
+        )
+        x = torch.ones(3, 4, requires_grad=True)
+        for forward in (1, 2):
+            out = module(x)
+            set_random_seed(7 * (forward + 1) + 1)
+            expected = nn.functional.dropout(layers[0](x), 0.5)
+            torch.testing.assert_close(out, expected)
+            out.sum().backward()  # recomputation (interval 1) must agree with the forward's mask
+            grad, x.grad = x.grad.clone(), None
+            expected.sum().backward()
+            torch.testing.assert_close(x.grad, grad)
+            x.grad = None

@@ -25,9 +25,10 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
+from torch.utils.data.distributed import DistributedSampler
 
 from deepspeed import comm as dist
-from deepspeed.runtime.dataloader import RankShardSampler, RepeatingLoader
+from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
@@ -53,6 +54,10 @@ class PipelineEngine(DeepSpeedEngine):
         self.grid = PipelineParallelGrid(topology)
         self.module._grid = self.grid
         self.has_bool_tensors = has_bool_tensors  # how stages exchange masks: no exchange with one stage
+        self.has_attention_mask = False  # likewise (set_has_attention_mask)
+        self.log_batch_step_id = -1
+        self.eval_return_logits = False  # upstream's flags for the last eval_batch call
+        self.outputs: Any = None
         self.num_stages = 1
         self.stage_id = 0
         self.prev_stage, self.next_stage = -1, 1
@@ -77,8 +82,13 @@ class PipelineEngine(DeepSpeedEngine):
     def _build_dataloader(self, training_data: Any, collate_fn: Any) -> Any:
         if training_data is None:
             return None
-        sampler = RankShardSampler(
-            len(training_data), dist.get_rank(self.data_parallel_group), self.dp_world_size, shuffle=False
+        # torch's sampler, as upstream's pipeline loader: in order, and a ragged tail padded from
+        # the start (every rank the same number of samples; the last micro-batch may be short)
+        sampler = DistributedSampler(
+            training_data,
+            num_replicas=self.dp_world_size,
+            rank=dist.get_rank(self.data_parallel_group),
+            shuffle=False,
         )
         return RepeatingLoader(self.deepspeed_io(training_data, data_sampler=sampler, collate_fn=collate_fn))
 
@@ -224,6 +234,10 @@ class PipelineEngine(DeepSpeedEngine):
             self.monitor.write_events(
                 [("Train/Samples/eval_loss", result.mean().item(), self.global_samples)]
             )
+        self.eval_return_logits, self.outputs = (
+            return_logits,
+            None,
+        )  # upstream hands the outputs back, then drops them
         return (result, outputs) if return_logits else result
 
     def _average_over_ranks(self, value: torch.Tensor) -> torch.Tensor:

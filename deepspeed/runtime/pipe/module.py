@@ -22,6 +22,10 @@ import torch
 from torch import nn
 
 
+class PipelineError(Exception):
+    """Upstream's error for misuse of the pipeline engine."""
+
+
 class LayerSpec:
     """A deferred `typename(*module_args, **module_kwargs)`, built by the PipelineModule."""
 
@@ -95,7 +99,7 @@ class PipelineModule(nn.Module):
         dynamic_shape: bool = False,
     ) -> None:
         super().__init__()
-        del partition_method, dynamic_shape  # how to split across stages: nothing to split
+        del dynamic_shape  # how stages exchange activations of changing shapes: none to exchange
         if num_stages is None and topology is None:
             raise ValueError("PipelineModule: pass num_stages=1 (or a topology); got neither")
         stages = int(num_stages) if num_stages is not None else _pipeline_size(topology)
@@ -117,23 +121,53 @@ class PipelineModule(nn.Module):
             )
         self.num_stages = 1
         self.stage_id = 0
+        self.micro_offset = 0  # forwards so far: seed_layers' per-forward seeds (see _run_layers)
         self._topology = topology
         self.loss_fn = loss_fn
         self.seed_layers = seed_layers
         self.seed_fn = seed_fn
         self.base_seed = base_seed
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
+        if activation_checkpoint_func is None:
+            from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
+
+            activation_checkpoint_func = checkpoint  # non-reentrant: see forward()
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
         self._layer_specs = list(layers)
+        self.parts = self._partition(partition_method)
         self.tied_modules = nn.ModuleDict()
         self.forward_funcs: list = []
         self._build()
 
+    def _partition(self, method: str) -> list:
+        """Upstream's partition methods, checked; with one stage every layer is in it. As
+        upstream, "parameters" first builds each LayerSpec once to count its parameters, and
+        that draws from the random generators: doing the same keeps a seeded script's initial
+        weights equal to upstream's."""
+        method = str(method).lower()
+        if method not in ("uniform", "parameters") and not method.startswith("type:"):
+            raise ValueError(
+                f"PipelineModule(partition_method={method!r}): supported are 'parameters', 'uniform' and 'type:NAME'"
+            )
+        if method == "parameters":
+            for layer in self._layer_specs:
+                if isinstance(layer, LayerSpec):
+                    layer.build()  # counted, then dropped (upstream's _count_layer_params)
+        return [0, len(self._layer_specs)]
+
+    def _seed(self, seed: int) -> None:
+        if self.seed_fn is not None:
+            self.seed_fn(seed)
+        else:
+            from deepspeed.runtime.utils import set_random_seed
+
+            set_random_seed(seed)
+
     def _build(self) -> None:
         for index, layer in enumerate(self._layer_specs):
             if self.seed_layers:
-                (self.seed_fn or torch.manual_seed)(self.base_seed + index)
+                self._seed(self.base_seed + index)
             if isinstance(layer, TiedLayerSpec):
                 if layer.key not in self.tied_modules:
                     self.tied_modules[layer.key] = layer.build()
@@ -164,23 +198,46 @@ class PipelineModule(nn.Module):
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
 
     def forward(self, forward_input: Any) -> Any:
-        x = forward_input
+        # seed_layers: each layer of each forward runs under its own seed, base_seed x (forwards
+        # so far + 1) + its index, as upstream; a checkpointed chunk's recomputation seeds alike.
+        self.micro_offset += 1
+        offset = self.micro_offset + 1
+        count = len(self.forward_funcs)
         interval = self.activation_checkpoint_interval
         if interval == 0 or not torch.is_grad_enabled():
-            for func in self.forward_funcs:
-                x = func(x)
-            return x
-        checkpoint = self.activation_checkpoint_func
-        if checkpoint is None:
-            from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
-        for start in range(0, len(self.forward_funcs), interval):
-            funcs = self.forward_funcs[start : start + interval]
-            run = _Chunk(funcs)
-            if self._is_checkpointable(funcs):
-                x = checkpoint(run, *(x if isinstance(x, tuple) else (x,)))
+            return _Chunk(self, 0, count, offset)(forward_input)
+        # Non-reentrant checkpointing (the default function): each chunk's parameters get
+        # their gradients whether or not its inputs require grad, as without checkpointing.
+        x = forward_input
+        for start in range(0, count, interval):
+            stop = min(start + interval, count)
+            run = _Chunk(self, start, stop, offset)
+            inputs = x if isinstance(x, tuple) else (x,)
+            if self._is_checkpointable(self.forward_funcs[start:stop]):
+                x = self.activation_checkpoint_func(run, *inputs)
             else:
-                x = run(*(x if isinstance(x, tuple) else (x,)))
+                x = run(*inputs)
         return x
+
+    def mpu(self) -> Any:
+        """The engine's PipelineParallelGrid (None before deepspeed.initialize builds it)."""
+        return getattr(self, "_grid", None)
+
+    def num_pipeline_stages(self) -> int:
+        return 1
+
+    def stage_owner(self, layer_idx: int) -> int:
+        """The stage that holds layer `layer_idx`: the only one."""
+        if not 0 <= layer_idx < len(self._layer_specs):
+            raise ValueError(
+                f"stage_owner({layer_idx}): the module has layers 0..{len(self._layer_specs) - 1}"
+            )
+        return 0
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        if interval < 0:
+            raise ValueError(f"set_checkpoint_interval({interval}): must be >= 0")
+        self.activation_checkpoint_interval = int(interval)
 
     def topology(self) -> Any:
         """The topology given, else one stage with every rank on the data axis."""
@@ -214,13 +271,16 @@ class _TiedCall:
 
 
 class _Chunk:
-    """Consecutive layers run as one checkpointed function."""
+    """Layers `start` to `stop` run in order, as one (possibly checkpointed) function."""
 
-    def __init__(self, funcs: list) -> None:
-        self.funcs = funcs
+    def __init__(self, module: PipelineModule, start: int, stop: int, offset: int) -> None:
+        self.module, self.start, self.stop, self.offset = module, start, stop, offset
 
     def __call__(self, *inputs: Any) -> Any:
+        module = self.module
         x = inputs[0] if len(inputs) == 1 else inputs
-        for func in self.funcs:
-            x = func(x)
+        for index in range(self.start, self.stop):
+            if module.seed_layers:
+                module._seed(module.base_seed * self.offset + index)
+            x = module.forward_funcs[index](x)
         return x
