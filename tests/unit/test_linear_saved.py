@@ -180,3 +180,27 @@ def test_route_linears_leaves_custom_forwards_and_autocast_alone():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model[0](x)
     assert out.dtype == torch.bfloat16 and out.grad_fn.name() != "LinearSavingParameterBackward"
+
+
+def test_upstream_names_compute_torchs_linear():
+    """`LinearFunctionForZeroStage3` (bias optional), `zero3_linear_wrap` and
+    `LinearModuleForZeroStage3`: torch's linear, values and gradients."""
+    from deepspeed.runtime.zero.linear import (
+        LinearFunctionForZeroStage3,
+        LinearModuleForZeroStage3,
+        zero3_linear_wrap,
+    )
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 3, 4), torch.randn(5, 4), torch.randn(5)
+    for call in (LinearFunctionForZeroStage3.apply, zero3_linear_wrap):
+        for args in ((x, w), (x, w, b)):
+            ours = [a.clone().requires_grad_() for a in args]
+            theirs = [a.clone().requires_grad_() for a in args]
+            call(*ours).square().sum().backward()
+            torch.nn.functional.linear(*theirs).square().sum().backward()
+            for a, t in zip(ours, theirs):
+                torch.testing.assert_close(a.grad, t.grad)
+    module = LinearModuleForZeroStage3(4, 5)
+    assert isinstance(module, torch.nn.Linear)
+    torch.testing.assert_close(module(x), torch.nn.functional.linear(x, module.weight, module.bias))

@@ -194,7 +194,14 @@ class TestOptimizerShardViews(DistributedTest):
             assert [t.data_ptr() for t in engine.optimizer.averaged_gradients[0]] == [
                 t.data_ptr() for t in parts[0].values()
             ]
+        # Upstream's per-sub-group norms: each parameter's whole gradient norm, on every rank.
+        norms = engine.optimizer._get_norm_groups()
+        for norm, p in zip(norms, reference.parameters()):
+            torch.testing.assert_close(norm, p.grad.norm())
         engine.step()
+        torch.testing.assert_close(
+            torch.linalg.vector_norm(torch.stack(norms)), engine.get_global_grad_norm()
+        )
         assert engine.optimizer.get_fp32_grad_partitions() == {}  # a step frees them
         # The wrapped optimizer's state is keyed by them (upstream's test reads `step` this way).
         for master in engine.optimizer.fp32_partitioned_groups_flat:

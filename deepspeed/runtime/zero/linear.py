@@ -194,3 +194,39 @@ def route_linears(module: nn.Module) -> int:
                 sub.forward = functools.partial(forward, sub)
                 count += 1
     return count
+
+
+# ---------------------------------------------------------------- upstream's names
+
+
+class LinearFunctionForZeroStage3(torch.autograd.Function):
+    """Upstream's name for the Function: `LinearFunctionForZeroStage3.apply(input, weight, bias=None)`,
+    `LinearSavingParameter` with the bias optional."""
+
+    @staticmethod
+    def forward(
+        ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        ctx.bias_given = bias is not None
+        return LinearSavingParameter.forward(ctx, input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grads = LinearSavingParameter.backward(ctx, grad_output)
+        return grads if ctx.bias_given else grads[:2]  # one gradient per input given
+
+
+def zero3_linear_wrap(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Upstream's `F.linear` replacement under `mem_efficient_linear`: `linear_saving_parameter`."""
+    return linear_saving_parameter(input, weight, bias)
+
+
+class LinearModuleForZeroStage3(nn.Linear):
+    """Upstream's Linear module that saves its parameters, not a view of the weight, for
+    backward: an `nn.Linear` (same parameters and initialisation) whose forward is
+    `linear_saving_parameter`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return linear_saving_parameter(input, self.weight, self.bias)

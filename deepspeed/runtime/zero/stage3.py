@@ -11,6 +11,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.estimators import (  # noqa: F401 - upstream's import path
     estimate_zero3_model_states_mem_needs,
     estimate_zero3_model_states_mem_needs_all_cold,
@@ -50,6 +54,19 @@ class DeepSpeedZeroOptimizer_Stage3(ZeroStage3Optimizer):  # noqa: N801 - upstre
         """Upstream's flat fp32 master per sub-group: here each trainable parameter's master
         (this rank's shard, 1-D), the tensor itself, not a copy."""
         return [master for _, master in self._sub_groups()]
+
+    def _get_norm_groups(self) -> list:
+        """Upstream's gradient norm per sub-group (0-dim fp32 tensors, over every rank's shards,
+        loss-scaled as the gradient shards are until the step): their vector norm is the
+        global norm. One all-reduce; every rank must call it."""
+        comm_device = torch.device(get_accelerator().current_device_name())
+        masters = [master for _, master in self._sub_groups()]
+        squares = torch.zeros(len(masters), dtype=torch.float64, device=comm_device)
+        for index, master in enumerate(masters):
+            if master.grad is not None:
+                squares[index] = master.grad.double().pow(2).sum().to(comm_device)
+        dist.all_reduce(squares, group=self.group)
+        return list(squares.sqrt().float().unbind())
 
 
 @contextlib.contextmanager
