@@ -3,6 +3,7 @@
 import logging
 import os
 import sys
+import types
 
 from deepspeed import process_state
 
@@ -36,13 +37,15 @@ def _reset_level() -> None:
 process_state.register("deepspeed.utils.logging.logger (its level)", logger, _reset_level)
 
 
-LOG_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "critical": logging.CRITICAL,
-}
+LOG_LEVELS = types.MappingProxyType(
+    {
+        "debug": logging.DEBUG,
+        "info": logging.INFO,
+        "warning": logging.WARNING,
+        "error": logging.ERROR,
+        "critical": logging.CRITICAL,
+    }
+)
 
 
 def get_log_level_from_string(log_level_str: str) -> int:

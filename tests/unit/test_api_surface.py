@@ -538,8 +538,10 @@ def test_pipeline_module_single_stage_is_sequential():
     with pytest.raises(TypeError, match="nn.Module"):
         LayerSpec(len)
     torch.manual_seed(0)
-    pipe = PipelineModule(
-        [LayerSpec(nn.Linear, 4, 8), nn.ReLU(), lambda t: t * 2, LayerSpec(nn.Linear, 8, 3)], num_stages=1
+    pipe = PipelineModule(  # "uniform": no counting build (see test_pipeline_engine.py), seq's draws
+        [LayerSpec(nn.Linear, 4, 8), nn.ReLU(), lambda t: t * 2, LayerSpec(nn.Linear, 8, 3)],
+        num_stages=1,
+        partition_method="uniform",
     )
     torch.manual_seed(0)
     seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -1116,7 +1118,9 @@ class TestApiSurfaceDistributed(DistributedTest):
 
         def pipe():
             return PipelineModule(
-                [LayerSpec(nn.Linear, WIDTH, 8), LayerSpec(nn.GELU), LayerSpec(nn.Linear, 8, 1)], num_stages=1
+                [LayerSpec(nn.Linear, WIDTH, 8), LayerSpec(nn.GELU), LayerSpec(nn.Linear, 8, 1)],
+                num_stages=1,
+                partition_method="uniform",  # seq()'s random draws
             )
 
         def seq():
