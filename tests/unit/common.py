@@ -31,6 +31,7 @@ import faulthandler
 import functools
 import importlib
 import inspect
+import logging
 import multiprocessing
 import os
 import queue
@@ -366,3 +367,15 @@ class DistributedTest:
             if name.startswith("test") and callable(fn):
                 cls._ds_originals[name] = fn
                 setattr(cls, name, _wrap_method(cls, name, fn))
+
+
+class LogRecords(logging.Handler):
+    """The messages a logger emits at `level` or above, as text (add it to the deepspeed
+    logger, which does not propagate to pytest's capture)."""
+
+    def __init__(self, level: int = logging.NOTSET) -> None:
+        super().__init__(level)
+        self.messages: list = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

@@ -13,7 +13,7 @@ from torch import nn
 
 import deepspeed
 from deepspeed.checkpoint.errors import CheckpointError
-from tests.unit.common import DistributedTest
+from tests.unit.common import DistributedTest, LogRecords
 
 
 def _engine(mode: str = None):
@@ -29,21 +29,12 @@ def _engine(mode: str = None):
     return engine
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 class TestTagValidation(DistributedTest):
     world_size = 2
 
     def test_modes(self, tmp_path):
         rank = torch.distributed.get_rank()
-        records = _Records()
+        records = LogRecords(logging.WARNING)
         logging.getLogger("DeepSpeed").addHandler(records)
         try:
             for mode in ("Warn", "Ignore", None):  # None: upstream's default, Warn

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from deepspeed.launcher import launch, runner
-from tests.unit.common import get_free_port
+from tests.unit.common import LogRecords, get_free_port
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "launcher_scripts")
 RANK_SCRIPT = os.path.join(SCRIPTS, "rank_script.py")
@@ -123,21 +123,12 @@ def test_failing_rank_ends_the_job_promptly(tmp_path):
         os.kill(sleeper, 0)
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 @contextlib.contextmanager
 def launcher_log():
     """The launcher's log messages (its logger does not propagate to pytest's capture)."""
     from deepspeed.utils.logging import logger
 
-    handler = _Records()
+    handler = LogRecords()
     logger.addHandler(handler)
     try:
         yield handler.messages

@@ -17,7 +17,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import zero_to_fp32
 from deepspeed.utils.logging import logger as ds_logger
-from tests.unit.common import DistributedTest
+from tests.unit.common import DistributedTest, LogRecords
 from tests.unit.common import world_size as run_on
 from tests.unit.test_engine import GLOBAL_BATCH, TinyLM, batches, gathered_params, my_slice, train
 
@@ -67,15 +67,6 @@ def assert_parity(model, losses, reference, ref_losses):
     got = gathered_params(model)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=5e-5, msg=name)
-
-
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 class TestOptimizerSemantics(DistributedTest):
@@ -388,7 +379,7 @@ class TestOptimizerSemantics(DistributedTest):
         assert_parity(model, train(engine, data), reference, ref_losses)
 
     def test_trainable_parameters_in_no_group_keep_no_gradient(self):
-        handler = _Warnings()
+        handler = LogRecords(logging.WARNING)
         ds_logger.addHandler(handler)
         try:
             model = build()
