@@ -38,7 +38,10 @@ class Experts(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """`inputs` [E, C, M] -> [E, C, M'], expert e on row e."""
-        outputs = [expert(chunk) for expert, chunk in zip(self.deepspeed_experts, inputs.unbind(dim=0))]
+        outputs = []
+        for expert, chunk in zip(self.deepspeed_experts, inputs.unbind(dim=0)):
+            out = expert(chunk)
+            outputs.append(out[0] if isinstance(out, tuple) else out)  # Megatron-style (output, bias)
         return torch.stack(outputs, dim=0)
 
 
@@ -120,7 +123,7 @@ class MoE(nn.Module):
         )
         self.deepspeed_moe = MOELayer(gate, experts, self.num_local_experts)
         if use_residual:
-            self.mlp = copy.deepcopy(expert)
+            self.mlp = expert  # the module given, as upstream (the experts are its copies)
             self.coefficient = nn.Linear(hidden_size, 2)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:

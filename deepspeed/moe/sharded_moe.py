@@ -3,17 +3,20 @@
 [Note: the routing]
 For `S` tokens and `E` experts the gate's softmax gives each token a distribution `g[s, e]`.
 - top-1: each token goes to its most likely expert; top-2: also to its best other expert
-  (picked from Gumbel-perturbed logits when `second_expert_sampling`).
+  (picked from Gumbel-perturbed logits when `top2_2nd_expert_sampling`, training only).
 - capacity: an expert takes at most `C = max(ceil(k * S / E * capacity_factor), min_capacity)`
-  tokens (`k` = 1 or 2); with `drop_tokens=False`, `C` is the largest expert load, so none is
-  dropped. Tokens over capacity are dropped (their output is zero): the first `C` in token
-  order, or, with `use_rts` (random token selection), a random `C`. Top-2 places second
-  choices after every first choice.
+  tokens (`k` = 1 or 2); with `drop_tokens=False`, `C` is the largest expert load (as
+  upstream: the configured capacity is not consulted), so none is dropped. Tokens over
+  capacity are dropped (their output is zero): the first `C` in token order (upstream's tie
+  order among them is torch.topk's, unspecified), or, with `use_rts` (random token
+  selection, training only), a random `C`. Top-2 places second choices after every first choice.
 - load-balancing loss: `l_aux = E * sum_e mean_s(g[s, e]) * fraction of tokens whose first
   choice is e`, which is 1 for a perfectly balanced router.
 - combine weights: top-1 uses the chosen gate value; top-2 the two gate values renormalized
   to sum to 1. Returned: combine weights `[S, E, C]`, the dispatch mask, `l_aux`, and the
-  number of tokens each expert was chosen for (before dropping).
+  number of tokens each expert was chosen for (before dropping), int64 as upstream's.
+
+`ep_group`: upstream's expert-parallel group; only None (or a group of one rank) here.
 """
 
 from __future__ import annotations
@@ -57,6 +60,18 @@ def _one_hot_positions(mask: torch.Tensor, offset: Optional[torch.Tensor], cap: 
     return F.one_hot(slot.clamp(max=cap - 1), num_classes=cap).to(mask.dtype)
 
 
+def _no_expert_parallelism(ep_group) -> None:
+    if ep_group is not None and torch.distributed.get_world_size(ep_group) > 1:
+        raise ValueError(
+            "MoE gating: an ep_group of more than one rank (expert parallelism) is not supported here; "
+            "pass ep_group=None (ep_size=1)"
+        )
+
+
+def _largest_load(exp_counts: torch.Tensor) -> int:
+    return max(int(exp_counts.max().item()), 1)  # drop_tokens=False: room for every routed token
+
+
 def _aux_loss(gates: torch.Tensor, first_mask: torch.Tensor) -> torch.Tensor:
     num_experts = gates.shape[1]
     return num_experts * torch.sum(gates.mean(dim=0) * first_mask.float().mean(dim=0))
@@ -70,18 +85,20 @@ def top1gating(
     noisy_gate_policy: Optional[str] = None,
     drop_tokens: bool = True,
     use_rts: bool = True,
+    ep_group=None,
 ) -> tuple:
     """Route each token to one expert (see the note). Returns (l_aux, combine, dispatch, exp_counts)."""
+    _no_expert_parallelism(ep_group)
     gates = F.softmax(logits, dim=1)
     chooser = logits + _gumbel_like(logits) if noisy_gate_policy == "RSample" else gates
     num_experts = gates.shape[1]
     mask1 = F.one_hot(torch.argmax(chooser, dim=1), num_classes=num_experts).to(gates.dtype)
     if used_token is not None:
         mask1 = mask1 * used_token.reshape(-1, 1).to(mask1.dtype)
-    exp_counts = mask1.sum(dim=0).detach().to("cpu")
+    exp_counts = mask1.sum(dim=0).detach().to("cpu", torch.int64)
     cap = capacity(gates.shape[0], num_experts, capacity_factor, min_capacity)
     if not drop_tokens:
-        cap = max(cap, int(exp_counts.max().item()))
+        cap = min(_largest_load(exp_counts), gates.shape[0])
     l_aux = _aux_loss(gates, mask1)
     mask1 = _keep_within_capacity(mask1, cap, use_rts)
     slots1 = _one_hot_positions(mask1, None, cap)
@@ -95,19 +112,21 @@ def top2gating(
     capacity_factor: float,
     min_capacity: int,
     drop_tokens: bool = True,
-    second_expert_sampling: bool = True,
+    ep_group=None,
+    top2_2nd_expert_sampling: bool = True,
 ) -> tuple:
     """Route each token to two experts (see the note). Returns (l_aux, combine, dispatch, exp_counts)."""
+    _no_expert_parallelism(ep_group)
     gates = F.softmax(logits, dim=1)
     num_experts = gates.shape[1]
     mask1 = F.one_hot(torch.argmax(gates, dim=1), num_classes=num_experts).to(gates.dtype)
-    second_logits = logits + _gumbel_like(logits) if second_expert_sampling else logits
+    second_logits = logits + _gumbel_like(logits) if top2_2nd_expert_sampling else logits
     second_logits = second_logits.masked_fill(mask1.bool(), float("-inf"))
     mask2 = F.one_hot(torch.argmax(second_logits, dim=1), num_classes=num_experts).to(gates.dtype)
-    exp_counts = (mask1 + mask2).sum(dim=0).detach().to("cpu")
+    exp_counts = (mask1 + mask2).sum(dim=0).detach().to("cpu", torch.int64)
     cap = capacity(gates.shape[0], num_experts, 2 * capacity_factor, min_capacity)
     if not drop_tokens:
-        cap = max(cap, int(exp_counts.max().item()))
+        cap = _largest_load(exp_counts)
     l_aux = _aux_loss(gates, mask1)
     first_per_expert = mask1.sum(dim=0, keepdim=True)
     positions2 = torch.cumsum(mask2, dim=0) - 1 + first_per_expert
@@ -158,6 +177,8 @@ class TopKGate(torch.nn.Module):
         self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
 
     def forward(self, tokens: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> tuple:
+        # Random token selection and second-expert sampling are training's: eval routes
+        # deterministically (upstream keeps drawing in eval, so its eval outputs vary by seed).
         x = tokens.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
             x = x * torch.empty_like(x).uniform_(1.0 - 1e-2, 1.0 + 1e-2)
@@ -179,5 +200,5 @@ class TopKGate(torch.nn.Module):
             factor,
             self.min_capacity,
             self.drop_tokens,
-            self.top2_2nd_expert_sampling and self.training,
+            top2_2nd_expert_sampling=self.top2_2nd_expert_sampling and self.training,
         )

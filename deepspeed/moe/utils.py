@@ -19,14 +19,13 @@ _DEFAULT_MAX_GROUP_SIZE = 178956971  # upstream's default cap on a MoE group's e
 
 
 def has_moe_layers(m: nn.Module) -> tuple:
-    """`(whether `m` holds a MoE layer, the number of experts of the last one found)`."""
+    """`(whether `m` holds a MoE layer, the number of experts of the first one)`, as upstream."""
     from deepspeed.moe.layer import MoE
 
-    found, experts = False, 0
     for module in m.modules():
         if isinstance(module, MoE):
-            found, experts = True, module.num_experts
-    return found, experts
+            return True, module.num_experts
+    return False, 0
 
 
 def is_moe_param(param: torch.Tensor) -> bool:

@@ -58,3 +58,39 @@ def test_groups_split_keep_their_settings_and_cap_sizes():
     torch.optim.AdamW(groups)  # torch takes the extra keys
     with pytest.raises(ValueError, match="must be a dict"):
         split_params_into_different_moe_groups_for_optimizer("params")
+
+
+def test_upstream_facts_of_the_moe_api():
+    """What code written for upstream's MoE sees (a new-user trial against upstream 0.19.8):
+    int64 exp_counts, upstream's keywords, the first layer's expert count, Megatron-style
+    experts returning (output, bias), the residual mlp being the module given, and
+    drop_tokens=False sizing the buffers by the largest load only."""
+    from deepspeed.moe.sharded_moe import top1gating, top2gating
+
+    torch.manual_seed(0)
+    logits = torch.randn(16, 4)
+    for gating, kwargs in (
+        (top1gating, {"use_rts": False}),
+        (top2gating, {"top2_2nd_expert_sampling": False}),
+    ):
+        l_aux, combine, dispatch, counts = gating(logits, 2.0, 0, drop_tokens=False, ep_group=None, **kwargs)
+        assert counts.dtype == torch.int64 and combine.shape[2] == int(counts.max())
+        assert dispatch.sum() == counts.sum()  # nothing dropped
+
+    class Stacked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = MoE(4, nn.Linear(4, 4), num_experts=2, k=1)
+            self.b = MoE(4, nn.Linear(4, 4), num_experts=4, k=1)
+
+    assert has_moe_layers(Stacked()) == (True, 2)
+
+    class WithBias(nn.Linear):
+        def forward(self, x):
+            return super().forward(x), self.bias
+
+    expert = WithBias(4, 4)
+    layer = MoE(4, expert, num_experts=2, k=1, use_residual=True)
+    assert layer.mlp is expert
+    out, _, _ = layer(torch.randn(2, 3, 4))
+    assert out.shape == (2, 3, 4)
