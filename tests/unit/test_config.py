@@ -728,15 +728,19 @@ def test_nvme_param_offload_needs_a_path_and_stage_3():
     }
     parsed = zero({"stage": 3, "offload_param": block}).offload_param
     assert (parsed.buffer_count, parsed.buffer_size, parsed.max_in_cpu) == (2, 10, 0)
-    with pytest.raises(ValueError, match=r"offload_param\.device='nvme' needs stage 3.*got stage 2"):
-        zero({"stage": 2, "offload_param": block})
+    assert zero({"stage": 2, "offload_param": block}).offload_param is None  # dropped (see below)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_offload_param_needs_stage_3(stage):
-    # Stages 0-2 keep parameters whole on the accelerator: the block would do nothing.
-    with pytest.raises(ValueError, match=rf"offload_param\.device='cpu' needs stage 3.*got stage {stage}"):
-        zero({"stage": stage, "offload_param": {"device": "cpu"}})
+def test_offload_param_below_stage_3_is_dropped_with_a_warning(stage, caplog):
+    # Stages 0-2 keep parameters whole on the accelerator: the block would do nothing. Upstream
+    # ignores it, and DeepSpeed-Chat's --offload writes it at every stage: a warning, not an error.
+    with caplog.at_level(logging.WARNING, logger="deepspeed"):
+        parsed = zero(
+            {"stage": stage, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+        )
+    assert parsed.offload_param is None and parsed.offload_optimizer.device == "cpu"
+    assert f"offload_param.device='cpu' has no effect at stage {stage}" in caplog.text
     zero({"stage": stage, "offload_param": {"device": "none"}})  # what accelerate writes when off
 
 

@@ -335,7 +335,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             )
 
     def check_offload_stage(self) -> None:
-        """Refuse offload settings the configured stage cannot act on. Called by the whole
+        """Refuse (or, for `offload_param`, drop with a warning) offload settings the configured
+        stage cannot act on. Called by the whole
         config (runtime/config.py), not by this section's own validation: upstream builds the
         section alone from deprecated keys (`DeepSpeedZeroConfig(cpu_offload_param=True)`)
         with no stage given, and only a whole config says which stage will run."""
@@ -348,11 +349,15 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         param = self.offload_param
         if param is not None and param.device != "none" and self.stage != ZeroStageEnum.weights:
             # Stages 0-2 keep every parameter whole on the accelerator: there is no shard to move.
-            raise ValueError(
-                f"zero_optimization.offload_param.device='{param.device.value}' needs stage 3 (partitioned "
-                f"parameters), got stage {int(self.stage)}; remove offload_param (offload_optimizer works "
-                "at every stage) or set stage to 3"
+            # Upstream ignores the block there, and configs in the wild carry it at every stage
+            # (DeepSpeed-Chat's --offload), so it is dropped, with one warning, not refused.
+            logger.warning(
+                f"zero_optimization.offload_param.device='{param.device.value}' has no effect at stage "
+                f"{int(self.stage)}: below stage 3 every rank keeps whole parameters on the accelerator "
+                "(upstream ignores it too); offload_optimizer offloads the optimizer state at every stage, "
+                "stage 3 offloads parameters"
             )
+            self.offload_param = None
 
 
 def legacy_zero_value(value: Any) -> Any:
