@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from deepspeed import comm as dist
+
 _NOISY_POLICIES = (None, "None", "Jitter", "RSample")
 
 
@@ -61,7 +63,7 @@ def _one_hot_positions(mask: torch.Tensor, offset: Optional[torch.Tensor], cap: 
 
 
 def _no_expert_parallelism(ep_group) -> None:
-    if ep_group is not None and torch.distributed.get_world_size(ep_group) > 1:
+    if ep_group is not None and dist.get_world_size(ep_group) > 1:
         raise ValueError(
             "MoE gating: an ep_group of more than one rank (expert parallelism) is not supported here; "
             "pass ep_group=None (ep_size=1)"
