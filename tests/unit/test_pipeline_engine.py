@@ -166,6 +166,26 @@ class TestTrainBatch(DistributedTest):
         engine.train_batch(iter([(x[:2], y[:2]), (x[2:4], y[2:4])]))
         assert engine.global_steps == 1
 
+    def test_a_batch_cut_short_leaves_no_gradients(self):
+        """An iterator that runs out mid-batch raises, and its micro-batch's gradients are
+        discarded: the next batch steps exactly as on a fresh engine."""
+        x, y = _dataset().tensors
+        good = [(x[4:6], y[4:6]), (x[6:8], y[6:8])]
+        runs = []
+        for cut_short in (True, False):
+            torch.manual_seed(7)
+            module = PipelineModule(layers=_layers(), num_stages=1, loss_fn=nn.CrossEntropyLoss())
+            engine, *_ = deepspeed.initialize(
+                model=module, model_parameters=module.parameters(), config=_config(2, 2)
+            )
+            if cut_short:
+                with pytest.raises(StopIteration):
+                    engine.train_batch(iter([(x[:2], y[:2])]))
+            engine.train_batch(iter(good))
+            runs.append([deepspeed.utils.safe_get_full_fp32_param(p).clone() for p in module.parameters()])
+        for a, b in zip(*runs):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
 
 class TestGrid(DistributedTest):
     world_size = 2

@@ -172,6 +172,11 @@ class PipelineEngine(DeepSpeedEngine):
                 self.step()
                 total = loss.detach().clone() if total is None else total + loss.detach()
                 extras = _add_losses(extras, self.module.get_additional_losses())
+        except BaseException:
+            # A batch that ended early (its iterator ran out, a forward raised) must not leave
+            # its micro-batches' gradients to be stepped with the next batch's.
+            self.zero_grad()
+            raise
         finally:
             self._boundary_override = saved_override
         self.total_loss = total
@@ -255,7 +260,9 @@ class PipelineEngine(DeepSpeedEngine):
         line = f"steps: {self.global_steps} loss: {self.agg_train_loss.item():0.4f} "
         for name, value in (self.agg_additional_losses or {}).items():
             line += f"{name}: {value.item():0.4f} "
-        iter_time = self._batch_seconds / every  # seconds inside train_batch per batch since the last line
+        iter_time = max(
+            self._batch_seconds / every, 1e-9
+        )  # seconds inside train_batch per batch since the last line
         self._batch_seconds = 0.0
         line += f"iter time (s): {iter_time:0.3f} samples/sec: {self.train_batch_size() / iter_time:0.3f}"
         print(line, flush=True)
