@@ -19,6 +19,7 @@ from deepspeed.runtime.huge_pages import huge_page_zeros
 class ElementwiseOptimizer(torch.optim.Optimizer):
     STATE_KEYS: ClassVar[tuple] = ()  # the state tensors each parameter gets
     CPU_ONLY_ALTERNATIVE: ClassVar[Optional[str]] = None  # set: the state lives in CPU memory only
+    SPARSE_GRADIENTS: ClassVar[bool] = False  # whether `_update` takes a sparse (COO) gradient
     fp32_optimizer_states: bool  # state tensors in fp32 whatever the parameter dtype
 
     def _initial_value(self, key: str, group: dict[str, Any]) -> float:
@@ -61,7 +62,7 @@ class ElementwiseOptimizer(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                if param.grad.is_sparse:
+                if param.grad.is_sparse and not self.SPARSE_GRADIENTS:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self._state(param, group)
                 # int(): a state loaded from a torch optimizer holds its step as a 0-d tensor.

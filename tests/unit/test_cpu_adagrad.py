@@ -115,3 +115,29 @@ def test_accelerator_parameter_names_the_fix():
     param.grad = torch.zeros(2, device="meta")
     with pytest.raises(ValueError, match="offload_optimizer"):
         DeepSpeedCPUAdagrad([param]).step()
+
+
+@pytest.mark.parametrize("hyper", [{}, {"lr_decay": 0.1, "initial_accumulator_value": 0.5, "maximize": True}])
+def test_sparse_embedding_gradients_match_torch_adagrad(hyper):
+    """An `nn.Embedding(sparse=True)` steps only the rows its gradient holds, bit for bit as torch's."""
+    torch.manual_seed(0)
+    ours, theirs = torch.nn.Embedding(50, 8, sparse=True), torch.nn.Embedding(50, 8, sparse=True)
+    theirs.load_state_dict(ours.state_dict())
+    opts = [DeepSpeedCPUAdagrad(ours.parameters(), lr=0.1, **hyper), torch.optim.Adagrad(theirs.parameters(), lr=0.1, **hyper)]
+    untouched = ours.weight.detach().clone()
+    for step in range(4):
+        rows = torch.randint(0, 25, (12,))  # rows 25.. never appear: they must not move
+        for emb, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            emb(rows).pow(2).sum().backward()
+            opt.step()
+    assert torch.equal(ours.weight, theirs.weight)
+    assert torch.equal(ours.weight[25:], untouched[25:])
+
+
+def test_sparse_gradient_with_weight_decay_names_the_fix():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = DeepSpeedCPUAdagrad(emb.parameters(), weight_decay=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match=r"weight_decay=0.1 .*sparse=False"):
+        opt.step()

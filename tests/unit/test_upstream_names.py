@@ -268,3 +268,20 @@ def test_fused_adam_builder_needs_nothing_built():
     assert isinstance(builder, FusedAdamBuilder) and builder.is_compatible() and builder.is_built()
     assert deepspeed.ops.__compatible_ops__[FusedAdamBuilder.NAME] is True
     assert builder.load().FusedAdam is FusedAdam  # the pure-torch multi-tensor Adam
+
+
+def test_torch_written_optimizer_builders_are_compatible_and_load_their_classes():
+    """Upstream's tests and callers ask these builders before choosing the optimizers."""
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+    from deepspeed.ops.op_builder import ALL_OPS, CPUAdagradBuilder, CPULionBuilder, FusedLionBuilder
+
+    for builder_class, attribute, cls in (
+        (CPUAdagradBuilder, "DeepSpeedCPUAdagrad", DeepSpeedCPUAdagrad),
+        (CPULionBuilder, "DeepSpeedCPULion", DeepSpeedCPULion),
+        (FusedLionBuilder, "FusedLion", FusedLion),
+    ):
+        builder = ALL_OPS[builder_class.NAME]
+        assert isinstance(builder, builder_class) and builder.is_compatible() and builder.is_built()
+        assert deepspeed.ops.__compatible_ops__[builder_class.NAME] is True
+        assert getattr(builder.load(), attribute) is cls

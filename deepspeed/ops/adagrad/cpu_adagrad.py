@@ -11,6 +11,9 @@ L2 weight decay, and ``True`` is refused. `foreach`, `fused` and `differentiable
 update, so they change nothing here. The step is element-wise torch ops on the CPU: unlike
 Adam, no native kernel.
 
+A sparse gradient (an `nn.Embedding(sparse=True)`'s) updates only the rows it holds, as
+torch's Adagrad does, and like torch's refuses weight decay.
+
 The accumulated sum of squared gradients is kept under upstream's state key ``exp_avg_sq``
 (torch's Adagrad calls it ``sum``), with an integer ``step``; fp16/bf16 parameters keep it
 in fp32 when ``fp32_optimizer_states`` (the default), and are updated in fp32.
@@ -31,6 +34,7 @@ class DeepSpeedCPUAdagrad(ElementwiseOptimizer):
 
     STATE_KEYS = ("exp_avg_sq",)  # the sum of squared gradients, under upstream's name
     CPU_ONLY_ALTERNATIVE = "torch.optim.Adagrad"
+    SPARSE_GRADIENTS = True
 
     def __init__(
         self,
@@ -86,11 +90,14 @@ class DeepSpeedCPUAdagrad(ElementwiseOptimizer):
         grad = param.grad.to(squares.dtype)
         if group["maximize"]:
             grad = -grad
-        if group["weight_decay"] != 0:
-            grad = grad.add(master, alpha=group["weight_decay"])
         lr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
-        squares.addcmul_(grad, grad, value=1)
-        master.addcdiv_(grad, squares.sqrt().add_(group["eps"]), value=-lr)
+        if grad.is_sparse:
+            _sparse_update(master, squares, grad, lr, group)
+        else:
+            if group["weight_decay"] != 0:
+                grad = grad.add(master, alpha=group["weight_decay"])
+            squares.addcmul_(grad, grad, value=1)
+            master.addcdiv_(grad, squares.sqrt().add_(group["eps"]), value=-lr)
         if master is not param:
             param.copy_(master)
 
@@ -101,3 +108,23 @@ class DeepSpeedCPUAdagrad(ElementwiseOptimizer):
             for key, state in state_dict.get("state", {}).items()
         }
         super().load_state_dict({**state_dict, "state": renamed})
+
+
+def _sparse_update(master: torch.Tensor, squares: torch.Tensor, grad: torch.Tensor, lr: float, group: dict) -> None:
+    """Adagrad on the entries a sparse gradient holds (torch's order of operations); the
+    others, and their sums, stay as they are."""
+    if group["weight_decay"] != 0:
+        raise RuntimeError(
+            f"DeepSpeedCPUAdagrad: weight_decay={group['weight_decay']} cannot apply to a sparse gradient "
+            "(as in torch.optim.Adagrad); set weight_decay=0 or make the embedding dense (sparse=False)"
+        )
+    grad = grad.coalesce()
+    indices, values = grad._indices(), grad._values()
+
+    def sparse(vals: torch.Tensor) -> torch.Tensor:
+        # The indices come from a coalesced gradient: valid, so not checked again.
+        return torch.sparse_coo_tensor(indices, vals, grad.shape, check_invariants=False)
+
+    squares.add_(sparse(values * values))
+    held = squares.sparse_mask(grad)._values().sqrt_().add_(group["eps"])
+    master.add_(sparse(values / held), alpha=-lr)

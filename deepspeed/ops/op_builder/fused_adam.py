@@ -1,33 +1,11 @@
-"""The `fused_adam` op: `deepspeed.ops.adam.FusedAdam`, which here needs nothing built.
+"""The `fused_adam` op, `deepspeed.ops.adam.FusedAdam`: torch's multi-tensor `_foreach_*` ops on any device (upstream: a CUDA kernel).
 
-Upstream compiles a multi-tensor CUDA kernel for it, and callers ask
-`deepspeed.ops.__compatible_ops__["fused_adam"]` (or this builder) before choosing it. Here
-`FusedAdam` runs torch's multi-tensor `_foreach_*` ops on any device, so the op is always
-compatible and always built, and `load()` returns its Python module.
+Nothing is compiled: see torch_ops.py.
 """
 
-import importlib
-from types import ModuleType
-
-from deepspeed.ops.op_builder.builder import OpBuilder
+from deepspeed.ops.op_builder.torch_ops import TorchOpBuilder
 
 
-class FusedAdamBuilder(OpBuilder):
-    """The `fused_adam` op; pure torch, so there is nothing to compile."""
-
+class FusedAdamBuilder(TorchOpBuilder):
     NAME = "fused_adam"
-
-    def absolute_name(self) -> str:
-        return "deepspeed.ops.adam.fused_adam"
-
-    def sources(self) -> list[str]:
-        return []
-
-    def incompatibility_reasons(self) -> list[str]:
-        return []
-
-    def is_built(self) -> bool:
-        return True
-
-    def load(self, verbose: bool = False) -> ModuleType:
-        return importlib.import_module(self.absolute_name())
+    MODULE = "deepspeed.ops.adam.fused_adam"
