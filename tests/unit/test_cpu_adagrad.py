@@ -123,9 +123,12 @@ def test_sparse_embedding_gradients_match_torch_adagrad(hyper):
     torch.manual_seed(0)
     ours, theirs = torch.nn.Embedding(50, 8, sparse=True), torch.nn.Embedding(50, 8, sparse=True)
     theirs.load_state_dict(ours.state_dict())
-    opts = [DeepSpeedCPUAdagrad(ours.parameters(), lr=0.1, **hyper), torch.optim.Adagrad(theirs.parameters(), lr=0.1, **hyper)]
+    opts = [
+        DeepSpeedCPUAdagrad(ours.parameters(), lr=0.1, **hyper),
+        torch.optim.Adagrad(theirs.parameters(), lr=0.1, **hyper),
+    ]
     untouched = ours.weight.detach().clone()
-    for step in range(4):
+    for _ in range(4):
         rows = torch.randint(0, 25, (12,))  # rows 25.. never appear: they must not move
         for emb, opt in zip((ours, theirs), opts):
             opt.zero_grad()
