@@ -35,6 +35,7 @@ from deepspeed.runtime.engine_queries import EngineQueries, train_dtype
 from deepspeed.runtime.forward_prologue import forward_prologue, report_progress
 from deepspeed.runtime.host_malloc import keep_freed_memory_for_reuse
 from deepspeed.runtime.sequence_parallel.setup import configure_sequence_parallel
+from deepspeed.runtime.torch_backward import TorchStyleBackward, engine_backward_running
 from deepspeed.runtime.utils import see_memory_usage
 from deepspeed.runtime.zero import quantized
 from deepspeed.runtime.zero.grad_reducer import GradientReducer
@@ -98,6 +99,7 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         self._boundary_override: Optional[bool] = None
         self._inside_backward = False  # engine.backward is running autograd
         self._stray_grads: list = []  # params whose gradients came from a backward outside it
+        self._torch_backward = TorchStyleBackward(self)  # loss.backward() on the forward's outputs
         self._offloader = StateOffloader(self)  # what offload_states() moved off the accelerator
         # Upstream's switch: False leaves stages 0-1's gradients unreduced after backward, for
         # the caller to reduce with allreduce_gradients() (see there).
@@ -309,6 +311,7 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
     def forward(self, *args, **kwargs):
         if self._destroyed:
             self.zero.refuse_forward_without_hooks()
+        self._torch_backward.close_abandoned()
         self._offloader.refuse_while_offloaded("forward()", [OffloadStateTypeEnum.lp_params])
         args, kwargs = forward_prologue(self, args, kwargs)  # fp16.auto_cast
         # The module's own hooks gather, release and mark where a pass starts and ends, so a
@@ -317,7 +320,12 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         profiling = profile_forward_begins(self)  # flops_profiler: rank 0, at its profile_step
         self._start_timers("forward")
         try:
-            return self.module(*args, **kwargs)
+            outputs = self.module(*args, **kwargs)
+            if self.optimizer is not None:
+                self._torch_backward.watch(
+                    outputs
+                )  # loss.backward() works too ([Note: torch-style backward])
+            return outputs
         finally:
             self._stop_timers("forward")
             if profiling:
@@ -360,38 +368,58 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
             raise RuntimeError(
                 "engine.backward() needs an optimizer; pass one to deepspeed.initialize or the config"
             )
-        self._refuse_stray_grads("engine.backward()")
-        self._offloader.refuse_while_offloaded("backward()")
-        self.zero.refuse_deferred_reduction(self.enable_backward_allreduce)
-        self._memory_report("Engine before backward")
-        self._start_timers("backward")
-        self.zero.backward_started()
+        self._torch_backward.close_abandoned()
+        self._backward_prologue("engine.backward()")
+        scaled = loss.float() * self.optimizer.loss_scale
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
         try:
-            self._backward(loss, retain_graph, scale_wrt_gas)
-        finally:
-            self._stop_timers("backward")
+            with engine_backward_running():
+                scaled.backward(retain_graph=retain_graph)
+        except BaseException:
+            self._autograd_over(abandoned=True)
+            raise
+        self._autograd_over()
+        self._backward_epilogue()
         self.monitor_events.after_backward(
             loss, self.is_gradient_accumulation_boundary(), self.global_samples
         )
-        self._memory_report("Engine after backward")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             # As upstream: the loss as it was scaled for the backward (its share of the boundary's step).
             return loss.detach() / self.gradient_accumulation_steps()
         return loss
 
-    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> None:
-        scaled = loss.float() * self.optimizer.loss_scale
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the loss scale, for a `.backward()` of the caller's own (fp16 needs it;
+        bf16 and fp32 get `loss` back). See [Note: torch-style backward] in torch_backward.py."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "engine.scale() needs an optimizer; pass one to deepspeed.initialize or the config"
+            )
+        return self._torch_backward.scale(loss)
+
+    def _backward_prologue(self, where: str) -> None:
+        """Before autograd runs for `engine.backward` or a `loss.backward()` on the outputs."""
+        self._refuse_stray_grads(where)
+        self._offloader.refuse_while_offloaded("backward()")
+        self.zero.refuse_deferred_reduction(self.enable_backward_allreduce)
+        self._memory_report("Engine before backward")
+        self._start_timers("backward")
+        self.zero.backward_started()
         self.leaf_grads.refresh()
         self._inside_backward = True
         self._start_timers("backward_inner")  # autograd, with the reductions inside it (stages 2-3)
-        try:
-            scaled.backward(retain_graph=retain_graph)
-        finally:
-            self._stop_timers("backward_inner")
-            self._inside_backward = False
-            self.zero.autograd_done()
+
+    def _autograd_over(self, abandoned: bool = False) -> None:
+        """Autograd's run is over, or raised (`abandoned`: no epilogue follows)."""
+        self._stop_timers("backward_inner")
+        self._inside_backward = False
+        self.zero.autograd_done()
+        if abandoned:
+            self._stop_timers("backward")
+
+    def _backward_epilogue(self) -> None:
+        """After autograd: reduce what is left (the last buckets; stages 0-1 at the boundary)."""
         self._start_timers("backward_reduce")  # what is left to reduce once autograd is done
         try:
             self.zero.flush_leaf_units(self.leaf_grads, self.reducer)
@@ -400,6 +428,8 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
                 self.allreduce_gradients()
         finally:
             self._stop_timers("backward_reduce")
+            self._stop_timers("backward")
+        self._memory_report("Engine after backward")
 
     def allreduce_gradients(self, bucket_size: Optional[int] = None) -> None:
         """Reduce the gradients backward left unreduced (upstream's name; each rank then holds
@@ -481,6 +511,7 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
                 "It is illegal to call Engine.step() inside no_sync context manager: its gradients are "
                 "not reduced yet; leave the `with engine.no_sync():` block first (the step then reduces them)"
             )
+        self._torch_backward.close_abandoned()
         self._refuse_stray_grads("engine.step()")
         self._offloader.refuse_while_offloaded("step()")
         self._memory_report("Engine before step")

@@ -244,16 +244,44 @@ class TestEngineRobustness(DistributedTest):
         assert_nothing_held(engine)
         assert_parity(engine, engine_losses(engine, data), reference, reference_losses(reference, data))
 
-    def test_a_backward_outside_engine_backward_is_refused(self):
-        # loss.backward() skips the loss scale, the accumulation divisor and the last bucket's
-        # reduction: at stage 2 its gradient waited in a bucket and was applied a step late.
+    def test_loss_backward_on_the_outputs_equals_engine_backward(self):
+        # [Note: torch-style backward]: `loss.backward()` then `engine.step()`, as upstream 0.19
+        # allows at stages 1-3 (and here at 0), bit for bit what engine.backward gives, with
+        # gradient accumulation and two outputs in one loss.
+        data = make_data(4, (WIDTH,))
+
+        def train(stage, torch_style):
+            torch.manual_seed(0)
+            config = sgd_config(
+                zero_optimization={"stage": stage, "reduce_bucket_size": 50},
+                gradient_accumulation_steps=2,
+                train_micro_batch_size_per_gpu=BATCH // (2 * dist.get_world_size()),
+            )
+            engine, *_ = deepspeed.initialize(model=nn.Linear(WIDTH, 3), config=config)
+            for x, y in data:
+                rows, targets = my_rows(x), my_rows(y)
+                for half in zip(rows.chunk(2), targets.chunk(2)):
+                    out, again = engine(half[0]), engine(half[0] * 0.5)
+                    loss = F.mse_loss(out, half[1]) + again.pow(2).mean()
+                    loss.backward() if torch_style else engine.backward(loss)
+                    engine.step()
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                return [p.detach().clone() for p in engine.module.parameters()]
+
+        for stage in (0, 1, 2, 3):
+            assert all(torch.equal(a, b) for a, b in zip(train(stage, False), train(stage, True))), stage
+
+    def test_a_backward_that_bypasses_the_outputs_is_refused(self):
+        # A gradient that reached the parameters through a direct call of the module skips
+        # the engine's backward (the accumulation divisor, the last bucket's reduction): at
+        # stage 2 it waited in a bucket and was applied a step late. Refused, weights untouched.
         x = torch.ones(BATCH // dist.get_world_size(), WIDTH)
         for stage in (0, 1, 2, 3):
             torch.manual_seed(0)
             config = sgd_config(zero_optimization={"stage": stage, "reduce_bucket_size": 10**6})
             engine, *_ = deepspeed.initialize(model=nn.Linear(WIDTH, 1), config=config)
             before = [p.detach().clone() for p in engine.module.parameters()] if stage < 3 else None
-            engine(x).sum().backward()
+            engine.module(x).sum().backward()
             with pytest.raises(
                 RuntimeError,
                 match=r"parameters \(.*weight.*\) came from a backward outside engine.backward\(loss\)",
@@ -261,9 +289,53 @@ class TestEngineRobustness(DistributedTest):
                 engine.step()
             if before is not None:
                 assert all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
-            engine(x).sum().backward()
+            engine.module(x).sum().backward()
             with pytest.raises(RuntimeError, match=r"^engine.backward\(\): .*loss.backward\(\)"):
                 engine.backward(engine(x).sum())
+
+    def test_fp16_loss_backward_needs_engine_scale(self):
+        # A loss scale applied on the way out of the outputs would come after fp16 underflow:
+        # a plain loss.backward() raises before any gradient exists; engine.scale(loss)
+        # .backward() equals engine.backward bit for bit.
+        data = make_data(3, (WIDTH,))
+
+        def train(how):
+            torch.manual_seed(0)
+            config = sgd_config(
+                fp16={"enabled": True, "initial_scale_power": 6}, zero_optimization={"stage": 2}
+            )
+            engine, *_ = deepspeed.initialize(model=nn.Linear(WIDTH, 3), config=config)
+            for x, y in data:
+                loss = F.mse_loss(engine(my_rows(x).half()).float(), my_rows(y))
+                if how == "plain":
+                    with pytest.raises(RuntimeError, match=r"engine.scale\(loss\).backward\(\)"):
+                        loss.backward()
+                    assert all(p.grad is None for p in engine.module.parameters())
+                    return None
+                engine.scale(loss).backward() if how == "scale" else engine.backward(loss)
+                engine.step()
+            return [p.detach().clone() for p in engine.module.parameters()]
+
+        train("plain")
+        assert all(torch.equal(a, b) for a, b in zip(train("engine"), train("scale")))
+
+    def test_a_torch_style_backward_that_raised_leaves_the_engine_usable(self):
+        engine, reference = twin(OutsideUses)
+        data = make_data(3, (WIDTH,))
+        out = engine(my_rows(data[0][0]))
+
+        def failing(grad):
+            raise ValueError("bad gradient")
+
+        out.register_hook(failing)  # runs after the engine's own hook began the backward
+        with pytest.raises(ValueError, match="bad gradient"):
+            F.mse_loss(out, my_rows(data[0][1])).backward()
+        del out
+        engine.zero_grad()
+        engine(my_rows(data[0][0]))  # the next forward closes the backward that never reached its end
+        assert not engine._inside_backward  # else a later stray backward would pass for the engine's own
+        assert_parity(engine, engine_losses(engine, data), reference, reference_losses(reference, data))
+        assert_nothing_held(engine)
 
     def test_zero_grad_discards_a_micro_step_at_every_stage(self):
         # At stages 0-1 the gradients of a micro-step wait whole in param.grad until the
