@@ -47,6 +47,12 @@ import uuid
 from typing import Any, Optional
 
 from deepspeed.checkpoint.atomic_write import atomic_write_text
+from deepspeed.checkpoint.constants import (
+    MODEL_FILE_PREFIX,
+    MODEL_FILE_SUFFIX,
+    OPTIM_FILE_SUFFIX,
+    ZERO_FILE_PREFIX,
+)
 from deepspeed.checkpoint.errors import CheckpointError
 
 FORMAT = "deepspeed-zero3-sharded"
@@ -55,32 +61,41 @@ OWN_KEY = "zero3_checkpoint"  # this package's metadata inside a file laid out a
 LATEST_FILE = "latest"
 RECOVERY_SCRIPT = "zero_to_fp32.py"
 # Upstream DeepSpeed's model file at stages 0-2: one for every rank (the whole module).
-UPSTREAM_REPLICATED_MODEL_FILE = "mp_rank_00_model_states.pt"
+UPSTREAM_REPLICATED_MODEL_FILE = f"{MODEL_FILE_PREFIX}00{MODEL_FILE_SUFFIX}"
 
 _RANK_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_(model|optim)_states\.pt$")
 
+# The script runs whichever deepspeed is installed: this package's `zero_to_fp32` command, or
+# upstream's, which reads these files too (the same module path and arguments; its module is a
+# command with a `__main__` block and no `main()`).
 _RECOVERY_SCRIPT_TEXT = '''#!/usr/bin/env python
-"""Consolidate the ZeRO-3 checkpoints in this folder into one fp32 state dict.
+"""Consolidate the ZeRO checkpoints in this folder into one fp32 state dict.
 
     python zero_to_fp32.py . pytorch_model.bin            # the tag named in `latest`
     python zero_to_fp32.py . out_dir --safe_serialization # out_dir/model.safetensors
+
+It runs the installed deepspeed's `python -m deepspeed.utils.zero_to_fp32` with these arguments.
 """
 
+import importlib
+import runpy
 import sys
 
-from deepspeed.utils.zero_to_fp32 import main
-
 if __name__ == "__main__":
-    sys.exit(main())  # non-zero, with the message on stderr, when the checkpoint cannot be read
+    command = importlib.import_module("deepspeed.utils.zero_to_fp32")
+    if hasattr(command, "main"):
+        sys.exit(command.main())  # non-zero, with the message on stderr, when the checkpoint cannot be read
+    sys.modules.pop(command.__name__)  # run afresh as __main__ (upstream DeepSpeed's module)
+    runpy.run_module(command.__name__, run_name="__main__", alter_sys=True)
 '''
 
 
 def model_states_name(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+    return f"{ZERO_FILE_PREFIX}{rank}_{MODEL_FILE_PREFIX}00{MODEL_FILE_SUFFIX}"
 
 
 def optim_states_name(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return f"{ZERO_FILE_PREFIX}{rank}_{MODEL_FILE_PREFIX}00{OPTIM_FILE_SUFFIX}"
 
 
 def upstream_optimizer_only_name(expp_rank: int) -> str:

@@ -43,6 +43,14 @@ from typing import Any, Optional
 
 import torch
 
+from deepspeed.checkpoint.constants import (
+    BF16_ZERO_FILE_PREFIX,
+    FP16_ZERO_FILE_PREFIX,
+    MODEL_FILE_PREFIX,
+    OPTIM_FILE_SUFFIX,
+    ZERO_FILE_PREFIX,
+)
+
 # What upstream's engine writes at the top level of a model-states file; the rest is client state.
 UPSTREAM_ENGINE_KEYS = frozenset(
     {
@@ -133,8 +141,8 @@ def is_upstream_model_states(sd: Any) -> bool:
 
 def upstream_optim_path(directory: str, rank: int) -> Optional[str]:
     """Rank `rank`'s optim-states file: `zero_pp_rank_*`, or the `bf16_` / `fp16_` prefixed names."""
-    for prefix in ("", "bf16_", "fp16_"):
-        path = os.path.join(directory, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    for prefix in (ZERO_FILE_PREFIX, BF16_ZERO_FILE_PREFIX, FP16_ZERO_FILE_PREFIX):
+        path = os.path.join(directory, f"{prefix}{rank}_{MODEL_FILE_PREFIX}00{OPTIM_FILE_SUFFIX}")
         if os.path.isfile(path):
             return path
     return None

@@ -24,6 +24,7 @@ parameter is currently gathered, its gathered tensor.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -32,6 +33,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.base_optimizer import owner_of
 
 __all__ = [
+    "fragment_address",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_update_full_grad_vectorized",
@@ -46,6 +48,15 @@ __all__ = [
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
 ]
+
+
+@dataclasses.dataclass
+class fragment_address:  # noqa: N801 - upstream's name, pickled in its files under this path
+    """Where a parameter's slice lies in a flat partition (upstream's stage 0-2 optimizer files
+    pickle one per parameter; its `zero_to_fp32.py` unpickles them by this path)."""
+
+    numel: int
+    start: int
 
 
 def _owner(param: Any, action: str, required: bool) -> Optional[tuple]:
