@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from deepspeed.launcher.hostfile import decode_world_info
+from deepspeed.utils.numa import parse_range_list
 from deepspeed.utils.logging import logger
 
 POLL_INTERVAL_S = 0.05
@@ -97,26 +98,6 @@ class ChildSpec:
     log_path: Optional[str] = None  # stdout and stderr go here instead of being inherited
     cores: Optional[list[int]] = None  # CPU affinity
     stdin: Optional[int] = None  # subprocess.PIPE / DEVNULL, or None to inherit
-
-
-def parse_core_list(text: str) -> list[int]:
-    """`"0-3,8,10-11"` -> `[0, 1, 2, 3, 8, 10, 11]`."""
-    cores: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            if "-" in part:
-                low, high = (int(x) for x in part.split("-", 1))
-                if high < low:
-                    raise ValueError
-                cores.extend(range(low, high + 1))
-            else:
-                cores.append(int(part))
-        except ValueError:
-            raise ValueError(
-                f"bad core list {text!r}: expected comma-separated cores or ranges like '0-3,8'"
-            ) from None
-    return cores
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -523,7 +504,7 @@ def main(args: Optional[list[str]] = None) -> int:
         rank_cores = None
         if ns.bind_cores_to_rank or ns.bind_core_list:
             cores = (
-                check_cores_available(parse_core_list(ns.bind_core_list))
+                check_cores_available(parse_range_list(ns.bind_core_list))
                 if ns.bind_core_list
                 else sorted(os.sched_getaffinity(0))
             )

@@ -44,7 +44,6 @@ from deepspeed.launcher.launch import (
     free_port,
     launch_local,
     node_layout,
-    parse_core_list,
     port_is_free,
     split_cores,
     supervise,
@@ -58,6 +57,7 @@ from deepspeed.launcher.multinode_runner import (
     collect_exports,
 )
 from deepspeed.utils.logging import logger
+from deepspeed.utils.numa import parse_range_list
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
@@ -246,7 +246,7 @@ def _rank_cores(ns: argparse.Namespace, num_procs: int) -> Optional[list[list[in
     if not (ns.bind_cores_to_rank or ns.bind_core_list):
         return None
     if ns.bind_core_list:
-        cores = check_cores_available(parse_core_list(ns.bind_core_list))  # the ranks run here
+        cores = check_cores_available(parse_range_list(ns.bind_core_list))  # the ranks run here
     else:
         cores = sorted(os.sched_getaffinity(0))
     return split_cores(cores, num_procs)

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from deepspeed.launcher import launch, runner
+from deepspeed.utils.numa import parse_range_list
 from tests.unit.common import LogRecords, get_free_port
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "launcher_scripts")
@@ -383,10 +384,18 @@ def test_no_hostfile_means_this_machine():
 
 
 def test_core_lists():
-    assert launch.parse_core_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert parse_range_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
     assert launch.split_cores([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3]]
-    with pytest.raises(ValueError, match="bad core list"):
-        launch.parse_core_list("3-1")
+    # As upstream's launcher: out of order, overlapping or backwards lists are refused (a core
+    # named twice would bind two ranks to it).
+    for bad, why in (
+        ("3-1", "runs backwards"),
+        ("8,2-6", "ascending"),
+        ("0,2-6,5-9", "ascending"),
+        ("0,x", "not a core"),
+    ):
+        with pytest.raises(ValueError, match=f"bad core list .*{why}"):
+            parse_range_list(bad)
 
 
 def test_rank_command_and_env():
