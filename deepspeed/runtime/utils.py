@@ -3,6 +3,8 @@
 `see_memory_usage` (memory at a point of a training script), `move_to_device` (a nested
 batch to a device), `clip_grad_norm_` (clipping over the data-parallel ranks) and
 `set_random_seed`. The engine does not use them: it clips inside the optimizer wrapper.
+Upstream's partitioning helpers (`partition_uniform`, `partition_balanced`, `prefix_sum_inc`,
+`PartitionedTensor`) live in partitioning.py and are re-exported here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.partitioning import (  # noqa: F401 - upstream's names here
+    PartitionedTensor,
+    partition_balanced,
+    partition_uniform,
+    prefix_sum_inc,
+)
 
 _GIB = float(1 << 30)
 

@@ -1,5 +1,6 @@
 """`deepspeed.runtime.utils`: the helpers user scripts import from upstream's module of that name."""
 
+import itertools
 import math
 
 import pytest
@@ -86,3 +87,69 @@ class TestClipGradNorm(DistributedTest):
                 torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(twins, 0.5, norm_type))
                 for t, p in zip(twins, params):
                     torch.testing.assert_close(t.grad, p.grad, rtol=1e-6, atol=1e-7)
+
+
+def _brute_force_bottleneck(weights, parts):
+    """The least possible heaviest part over every contiguous split (small inputs only)."""
+    n = len(weights)
+    best = math.inf
+    for cuts in itertools.combinations_with_replacement(range(n + 1), parts - 1):
+        bounds = [0, *cuts, n]
+        best = min(best, max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def _valid(parts, n, p):
+    return (
+        len(parts) == p + 1
+        and parts[0] == 0
+        and parts[-1] == n
+        and all(a <= b for a, b in zip(parts, parts[1:]))
+    )
+
+
+def test_partition_uniform_sizes_differ_by_at_most_one():
+    from deepspeed.runtime.utils import partition_uniform
+
+    assert partition_uniform(10, 4) == [0, 3, 6, 8, 10]  # the larger parts first
+    assert partition_uniform(8, 4) == [0, 2, 4, 6, 8]
+    assert partition_uniform(2, 4) == [0, 1, 2, 2, 2]  # fewer items than parts
+    with pytest.raises(ValueError, match="num_parts must be a positive int, got 0"):
+        partition_uniform(3, 0)
+
+
+def test_partition_balanced_reaches_the_least_bottleneck():
+    from deepspeed.runtime.utils import partition_balanced, prefix_sum_inc
+
+    assert prefix_sum_inc([3, 4, 5]) == [3, 7, 12]
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        n, p = 1 + trial % 7, 1 + trial % 4
+        weights = (
+            (torch.rand(n, generator=gen) * 10).round().tolist()
+            if trial % 2
+            else torch.rand(n, generator=gen).tolist()
+        )
+        parts = partition_balanced(weights, p)
+        assert _valid(parts, n, p), (weights, parts)
+        heaviest = max(sum(weights[a:b]) for a, b in zip(parts, parts[1:]))
+        assert math.isclose(heaviest, _brute_force_bottleneck(weights, p), rel_tol=1e-12), (weights, p, parts)
+    # Parts fill from the left up to the bottleneck (the splits upstream's tests expect).
+    assert partition_balanced([0, 1, 2, 3, 3, 3], 4) == [0, 3, 4, 5, 6]
+    assert partition_balanced([0.0, 1.1, 30, 3.0], 3) == [0, 2, 3, 4]
+    with pytest.raises(ValueError, match="weights must be >= 0"):
+        partition_balanced([1, -2], 2)
+
+
+class TestPartitionedTensor(DistributedTest):
+    world_size = [2]
+
+    def test_slices_gather_back_and_travel_as_meta(self):
+        from deepspeed.runtime.utils import PartitionedTensor
+
+        full = torch.arange(7 * 3, dtype=torch.float32).view(7, 3)  # 21 elements: 11 + 10
+        part = PartitionedTensor(full, group=None)
+        assert part.local_size() == torch.Size([11 - dist.get_rank()])
+        assert torch.equal(part.full(), full)
+        again = PartitionedTensor.from_meta(part.to_meta(), part.local_data, None)
+        assert torch.equal(again.full(), full)
