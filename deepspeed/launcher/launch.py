@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from deepspeed.launcher.hostfile import decode_world_info
-from deepspeed.utils.numa import parse_range_list
 from deepspeed.utils.logging import logger
+from deepspeed.utils.numa import parse_range_list
 
 POLL_INTERVAL_S = 0.05
 DEFAULT_GRACE_S = 5.0

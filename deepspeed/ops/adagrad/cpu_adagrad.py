@@ -110,7 +110,9 @@ class DeepSpeedCPUAdagrad(ElementwiseOptimizer):
         super().load_state_dict({**state_dict, "state": renamed})
 
 
-def _sparse_update(master: torch.Tensor, squares: torch.Tensor, grad: torch.Tensor, lr: float, group: dict) -> None:
+def _sparse_update(
+    master: torch.Tensor, squares: torch.Tensor, grad: torch.Tensor, lr: float, group: dict
+) -> None:
     """Adagrad on the entries a sparse gradient holds (torch's order of operations); the
     others, and their sums, stay as they are."""
     if group["weight_decay"] != 0:

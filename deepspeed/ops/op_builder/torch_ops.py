@@ -32,4 +32,3 @@ class TorchOpBuilder(OpBuilder):
 
     def load(self, verbose: bool = False) -> ModuleType:
         return importlib.import_module(self.MODULE)
-
