@@ -58,6 +58,7 @@ from deepspeed.runtime.config_utils import (
     unsupported_when_true,
 )
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config, precision_attributes
+from deepspeed.runtime.torch_autocast import DeepSpeedTorchAutocastConfig
 from deepspeed.runtime.zero.config import (
     ZERO_OPTIMIZATION,
     DeepSpeedZeroConfig,
@@ -295,7 +296,6 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         "quantize_training": _off("quantization-aware training"),
         "sparse_attention": _off("sparse attention"),
         "timers": _off("engine timers"),
-        "torch_autocast": _off("torch.autocast inside the engine", "use fp16 or bf16"),
         "tensor_parallel": _off("AutoTP tensor parallelism"),
         # Upstream 0.19.8 keys: known, so that a non-default value is refused rather than
         # ignored as an unknown key (config_utils' [Note: unknown and dotted keys]).
@@ -486,8 +486,8 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     timers: FreeForm = None
     """Engine timer settings; refused unless absent, empty or switched off."""
 
-    torch_autocast: FreeForm = None
-    """Upstream `torch.autocast` mixed precision; refused unless absent, empty or switched off."""
+    torch_autocast: DeepSpeedTorchAutocastConfig = Field(default_factory=DeepSpeedTorchAutocastConfig)
+    """The engine's forward under `torch.autocast` (runtime/torch_autocast.py)."""
 
     tensor_parallel: FreeForm = None
     """Upstream AutoTP training settings; refused unless absent, empty or switched off."""
@@ -693,6 +693,10 @@ class DeepSpeedConfig:
         self.scheduler_name = scheduler.type if scheduler else None
         self.scheduler_params = scheduler.params if scheduler else None
         self.communication_data_type = _comm_dtype(typed.communication_data_type)
+        self.torch_autocast = typed.torch_autocast
+        self.torch_autocast_enabled = typed.torch_autocast.enabled
+        self.torch_autocast_dtype = typed.torch_autocast.torch_dtype
+        self.torch_autocast_lower_precision_safe_modules = typed.torch_autocast.lower_precision_safe_modules
         self.seq_parallel_communication_data_type = _comm_dtype(typed.seq_parallel_communication_data_type)
         for name in (
             "wall_clock_breakdown",

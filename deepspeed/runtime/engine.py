@@ -35,6 +35,7 @@ from deepspeed.runtime.engine_queries import EngineQueries, train_dtype
 from deepspeed.runtime.forward_prologue import forward_prologue, report_progress
 from deepspeed.runtime.host_malloc import keep_freed_memory_for_reuse
 from deepspeed.runtime.sequence_parallel.setup import configure_sequence_parallel
+from deepspeed.runtime.torch_autocast import autocast_if_enabled, get_comm_dtype, init_autocast_params
 from deepspeed.runtime.torch_backward import TorchStyleBackward, engine_backward_running
 from deepspeed.runtime.utils import see_memory_usage
 from deepspeed.runtime.zero import quantized
@@ -130,6 +131,8 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         self._grad_hooks = self._install_grad_hooks() if self.optimizer is not None else []
+        if self._config.torch_autocast_enabled:  # [Note: torch_autocast] in torch_autocast.py
+            self._init_torch_autocast()
         self.flops_profiler = engine_profiler(self)  # None unless the config's flops_profiler is enabled
 
     # ------------------------------------------------------------------ set-up
@@ -287,6 +290,17 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
                 handles.append(param.register_post_accumulate_grad_hook(self._drop_grad))
         return handles
 
+    def _init_torch_autocast(self) -> None:
+        """Mark the safe modules' parameters; gradients are then reduced in each one's comm dtype."""
+        config = self._config
+        init_autocast_params(
+            self, config.torch_autocast_dtype, config.torch_autocast_lower_precision_safe_modules
+        )
+        if self.optimizer is not None:
+            self.reducer.comm_dtypes = {
+                state.ds_id: get_comm_dtype(state.param) for state in self.optimizer.states
+            }
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._inside_backward and len(self._stray_grads) < 3:
             self._stray_grads.append(param)  # refused at the next backward or step, see _refuse_stray_grads
@@ -320,7 +334,8 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         profiling = profile_forward_begins(self)  # flops_profiler: rank 0, at its profile_step
         self._start_timers("forward")
         try:
-            outputs = self.module(*args, **kwargs)
+            with autocast_if_enabled(self):
+                outputs = self.module(*args, **kwargs)
             if self.optimizer is not None:
                 self._torch_backward.watch(
                     outputs

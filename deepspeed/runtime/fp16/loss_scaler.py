@@ -305,3 +305,30 @@ def CreateLossScaler(
             )
         return DynamicLossScaler(dtype=dtype, **args)
     return LossScaler(scale=static_loss_scale if dtype == torch.half else 1.0)
+
+
+# torch_autocast with float16 and no `fp16` section: torch.amp.GradScaler's dynamic scale (no
+# lower bound), as upstream scales then ([Note: torch_autocast] in runtime/torch_autocast.py).
+_AUTOCAST_FP16_SCALING = {
+    "init_scale": 2.0**16,
+    "scale_window": 2000,
+    "delayed_shift": 1,
+    "min_scale": 2.0**-24,
+    "raise_error_at_min_scale": False,
+}
+
+
+def loss_scaler_for(config: Any) -> LossScalerBase:
+    """The scaler a `DeepSpeedConfig` asks for: its `fp16` section's, else float16 autocast's."""
+    if (
+        not config.fp16_enabled
+        and config.torch_autocast_enabled
+        and config.torch_autocast_dtype == torch.float16
+    ):
+        return CreateLossScaler(torch.float16, 0.0, True, _AUTOCAST_FP16_SCALING)
+    return CreateLossScaler(
+        torch.float16 if config.fp16_enabled else torch.float32,
+        config.loss_scale,
+        config.fp16_enabled and config.loss_scale == 0,
+        config.dynamic_loss_scale_args,
+    )

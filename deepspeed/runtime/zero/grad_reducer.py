@@ -96,6 +96,8 @@ class GradientReducer:
         # offloaded gradients).
         self.settle = settle
         self.comm_dtype = comm_dtype  # None: reduce in the gradient's own dtype
+        # torch_autocast: each parameter's own (ds_id -> dtype), which replaces `comm_dtype`.
+        self.comm_dtypes: dict = {}
         self.overlap_comm = overlap_comm
         self.prescale_gradients = prescale_gradients
         self.predivide_factor = float(predivide_factor)
@@ -141,8 +143,12 @@ class GradientReducer:
             after *= world  # divided first all the same: the fp16 headroom does not depend on the op
         return before, after
 
+    def dtype_for(self, state: Any, grad: torch.Tensor) -> torch.dtype:
+        """The dtype `state`'s gradient is reduced in."""
+        return self.comm_dtypes.get(state.ds_id) or self.comm_dtype or grad.dtype
+
     def add(self, state: ZeroParamState, grad: torch.Tensor) -> None:
-        dtype = self.comm_dtype or grad.dtype
+        dtype = self.dtype_for(state, grad)
         key = (id(state.group), dtype)
         self._pending.setdefault(key, []).append((state, grad))
         self._pending_elems[key] = self._pending_elems.get(key, 0) + state.world_size * state.partition_size

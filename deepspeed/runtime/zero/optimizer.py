@@ -51,7 +51,7 @@ from torch import nn
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
-from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+from deepspeed.runtime.fp16.loss_scaler import loss_scaler_for
 from deepspeed.runtime.zero import param_swap
 from deepspeed.runtime.zero.lifecycle import ZeroParamState
 from deepspeed.runtime.zero.parameter import is_zero_param
@@ -290,12 +290,7 @@ class ZeroStage3Optimizer(ZeROOptimizer):
             if parameter_offload is not None
             else []
         )
-        self.loss_scaler = CreateLossScaler(
-            torch.float16 if config.fp16_enabled else torch.float32,
-            config.loss_scale,
-            config.fp16_enabled and config.loss_scale == 0,
-            config.dynamic_loss_scale_args,
-        )
+        self.loss_scaler = loss_scaler_for(config)
         self.overflow = False
         self.skips_nonfinite_steps = skips_nonfinite_steps(config)
         self.clip = float(config.gradient_clipping or 0.0)

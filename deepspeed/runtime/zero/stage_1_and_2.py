@@ -219,7 +219,7 @@ def allreduce_whole_grads(states: list, reducer: Any, fill: Callable, drop_shard
     for state in states:
         grad = fill(state, take_whole_grad(state))
         if grad is not None:
-            dtype = reducer.comm_dtype or grad.dtype
+            dtype = reducer.dtype_for(state, grad)
             buckets.setdefault((id(state.group), dtype), []).append((state, grad))
     for (_, dtype), items in buckets.items():  # insertion order: the same on every rank
         chunk, elems = [], 0
