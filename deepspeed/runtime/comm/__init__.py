@@ -1,0 +1,1 @@
+"""Collectives over lists of tensors (upstream's `deepspeed.runtime.comm` package)."""
