@@ -275,6 +275,8 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         for state in self.optimizer.states:
             handles += self.zero.hook_gradient(state.param)
             handles.append(state.param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        # loss.backward() works too: [Note: torch-style backward] in torch_backward.py.
+        handles += self._torch_backward.hook([state.param for state in self.optimizer.states])
         untrained = self.optimizer.untrained(self.module)
         if untrained and dist.get_rank() == 0:
             # [Note: whose param groups train] in optimizer.py: their gradients are dropped.
@@ -335,12 +337,7 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
         self._start_timers("forward")
         try:
             with autocast_if_enabled(self):
-                outputs = self.module(*args, **kwargs)
-            if self.optimizer is not None:
-                self._torch_backward.watch(
-                    outputs
-                )  # loss.backward() works too ([Note: torch-style backward])
-            return outputs
+                return self.module(*args, **kwargs)
         finally:
             self._stop_timers("forward")
             if profiling:
@@ -384,6 +381,12 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
                 "engine.backward() needs an optimizer; pass one to deepspeed.initialize or the config"
             )
         self._torch_backward.close_abandoned()
+        if self._torch_backward.is_scaled(loss):
+            raise ValueError(
+                "engine.backward(loss) scales the loss itself; pass the loss, not engine.scale(loss) (which is "
+                "for a .backward() of your own)"
+            )
+        self._torch_backward.forget_scale()
         self._backward_prologue("engine.backward()")
         scaled = loss.float() * self.optimizer.loss_scale
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -527,6 +530,7 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
                 "not reduced yet; leave the `with engine.no_sync():` block first (the step then reduces them)"
             )
         self._torch_backward.close_abandoned()
+        self._torch_backward.forget_scale()
         self._refuse_stray_grads("engine.step()")
         self._offloader.refuse_while_offloaded("step()")
         self._memory_report("Engine before step")

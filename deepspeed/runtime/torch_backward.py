@@ -2,34 +2,37 @@
 
 [Note: torch-style backward]
 Upstream DeepSpeed 0.19 lets a training loop call `loss.backward()` (or `out.backward(grad)`)
-on what the engine's forward returned, then `engine.step()`, as with a plain module; at
-stages 1-3 the result equals `engine.backward(loss)`'s, bit for bit. So the engine's forward
-hooks every tensor it returns that requires a gradient (`watch`). When a gradient first
-reaches one of them in an autograd run that `engine.backward` did not start (a new graph
-task, `torch._C._current_graph_task_id()`), the engine does what `engine.backward` does
-before autograd (`_backward_prologue`) and queues, on that graph task, a callback that does
-what it does after (`_backward_epilogue`: the last buckets reduced, stages 0-1's reduction
-at the boundary). Each output's gradient is divided by `gradient_accumulation_steps` on its
-way, as `engine.backward` divides the loss. Here this holds at stage 0 too (upstream refuses
-it there).
+on what the engine's forward returned, then `engine.step()`, as with a plain module; the
+result equals `engine.backward(loss)`'s. Here every trainable parameter carries a tensor
+hook (`on_param_grad`), which sees each gradient a backward brings to the parameter before
+autograd adds it to `param.grad`. When such a gradient arrives in an autograd run that no
+`engine.backward` started (a new graph task, `torch._C._current_graph_task_id()`), the engine
+does what `engine.backward` does before autograd (`_backward_prologue`), before that first
+gradient is accumulated, and queues on that graph task a callback that does what it does
+after (`_backward_epilogue`: the last buckets reduced, stages 0-1's reduction at the
+boundary). Each gradient is divided by `gradient_accumulation_steps` where it reaches its
+parameter, as `engine.backward` divides the loss: so a loss computed from several returned
+tensors (an HF model's `loss` and the `logits` it came from), an auxiliary loss a module kept
+on itself, or a call of `engine.module(x)` directly, all get their gradients divided exactly
+once, and gradients with respect to inputs (`torch.autograd.grad`, a gradient penalty) are
+not divided at all, as in plain PyTorch. This holds at every stage (upstream: 1-3).
 
-A loss scale cannot be applied on the way: a gradient that reaches an output in fp16 has
+A loss scale cannot be applied on the way: a gradient that reaches a parameter in fp16 has
 underflowed already. So with fp16's loss scale the loss must be scaled where it is computed,
 `engine.scale(loss).backward()`; a plain `loss.backward()` then raises before any gradient
-is computed, naming both fixes (as upstream, which raises after).
+is accumulated, naming both fixes (as upstream, which raises after). `engine.scale` is good
+for the next torch-style backward only: `engine.backward` and `engine.step` clear it.
 
 While any engine's `engine.backward` runs, the hooks pass gradients through untouched: its
-loss is scaled already, and another engine whose outputs that loss went through (a GAN's
+loss is scaled already, and another engine whose parameters that loss reached (a GAN's
 discriminator under the generator's loss) must not take those gradients as its own backward.
-Its parameters' gradients stay what they were, a backward from outside, refused at its next
-backward or step or discarded by its `zero_grad()` (engine.py's `_refuse_stray_grads`).
-
-A gradient that reaches the parameters other than through the returned tensors (an auxiliary
-loss a module kept on itself) is not divided by the accumulation steps, as upstream.
+They stay what they were, a backward from outside, refused at that engine's next backward
+or step or discarded by its `zero_grad()` (engine.py's `_refuse_stray_grads`).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -63,18 +66,6 @@ class engine_backward_running:
         _RUNNING.depth -= 1
 
 
-def _tensors(value: Any, depth: int = 0):
-    """The tensors in `value`, found inside tuples, lists and dicts (an HF ModelOutput is a dict)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif depth < 4 and isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item, depth + 1)
-
-
 class TorchStyleBackward:
     """One engine's side of [Note: torch-style backward]."""
 
@@ -82,29 +73,42 @@ class TorchStyleBackward:
         self._engine = engine
         self._task: Optional[int] = None  # the graph task of the torch-style backward under way
         self._scaled_by_caller = False  # engine.scale(loss) applied the loss scale for the next one
+        self._last_scaled: Optional[weakref.ref] = None  # what engine.scale returned last
 
-    def watch(self, outputs: Any) -> None:
-        """Hook the tensors of a forward's `outputs` that will get gradients."""
-        if not torch.is_grad_enabled():
-            return
-        for tensor in _tensors(outputs):
-            if tensor.requires_grad:
-                tensor.register_hook(self._on_output_grad)
+    def hook(self, params: list) -> list:
+        """Hook each of `params` (the trainable ones); returns the handles."""
+        return [p.register_hook(self.on_param_grad) for p in params]
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """`engine.scale(loss)`: the loss times the loss scale, for the caller's `.backward()`."""
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
-                f"engine.scale(loss) takes a one-element loss tensor computed from the engine's outputs (with a "
-                f"grad_fn), got {type(loss).__name__}"
-                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                "engine.scale(loss) takes a one-element loss tensor, got "
+                + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__)
                 + "; for a non-scalar output call out.backward(grad) directly (bf16 and fp32 need no scale)"
             )
+        if loss.grad_fn is None:
+            raise ValueError(
+                "engine.scale(loss): the loss has no grad_fn (it was detached, or computed under no_grad), so "
+                "no backward can run from it; compute it from the engine's outputs with gradients enabled"
+            )
+        if self._last_scaled is not None and self._last_scaled() is loss:
+            raise ValueError("engine.scale(loss): this loss is scaled already; scale the unscaled loss once")
         scale = self._engine.optimizer.loss_scale
         if scale == 1.0:
             return loss
+        scaled = loss.float() * scale
         self._scaled_by_caller = True
-        return loss.float() * scale
+        self._last_scaled = weakref.ref(scaled)
+        return scaled
+
+    def is_scaled(self, loss: Any) -> bool:
+        """Whether `loss` is what `scale()` returned last (engine.backward would scale it again)."""
+        return self._last_scaled is not None and self._last_scaled() is loss
+
+    def forget_scale(self) -> None:
+        """engine.backward or engine.step ran: an unused `scale()` must not vouch for a later backward."""
+        self._scaled_by_caller = False
 
     def close_abandoned(self) -> None:
         """A torch-style backward that raised never reached its end: undo its start."""
@@ -112,22 +116,23 @@ class TorchStyleBackward:
             self._task = None
             self._engine._autograd_over(abandoned=True)
 
-    def _on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+    def on_param_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient on its way into a parameter's `.grad` (see the note)."""
         if _RUNNING.depth and self._task is None:
-            return grad  # engine.backward's run (see the note): its loss is scaled already
+            return grad  # an engine.backward's run: its loss is scaled already
         task = torch._C._current_graph_task_id()
         if task != self._task:
             self.close_abandoned()
             self._begin(task)
         steps = self._engine.gradient_accumulation_steps()
-        return grad if steps == 1 or grad is None else grad / steps
+        return grad if steps == 1 else grad / steps
 
     def _begin(self, task: int) -> None:
         engine = self._engine
         scaled, self._scaled_by_caller = self._scaled_by_caller, False
         if engine.optimizer.loss_scale != 1.0 and not scaled:
             raise RuntimeError(
-                f"loss.backward() on this engine's outputs needs the loss scaled first (fp16, loss scale "
+                f"loss.backward() through this engine's parameters needs the loss scaled first (fp16, loss scale "
                 f"{engine.optimizer.loss_scale}): call engine.backward(loss), or engine.scale(loss).backward()"
             )
         engine._backward_prologue("loss.backward()")

@@ -244,11 +244,22 @@ class TestEngineRobustness(DistributedTest):
         assert_nothing_held(engine)
         assert_parity(engine, engine_losses(engine, data), reference, reference_losses(reference, data))
 
-    def test_loss_backward_on_the_outputs_equals_engine_backward(self):
+    def test_loss_backward_equals_engine_backward(self):
         # [Note: torch-style backward]: `loss.backward()` then `engine.step()`, as upstream 0.19
         # allows at stages 1-3 (and here at 0), bit for bit what engine.backward gives, with
-        # gradient accumulation and two outputs in one loss.
+        # gradient accumulation; the loss is built as HF models build theirs, from a returned
+        # tensor that is returned too (dividing at every output divided twice), plus a second
+        # forward, and a direct call of the module.
         data = make_data(4, (WIDTH,))
+
+        class ReturnsLossAndLogits(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Linear(WIDTH, 3)
+
+            def forward(self, x, y):
+                logits = self.net(x)
+                return {"loss": F.mse_loss(logits, y), "logits": logits}
 
         def train(stage, torch_style):
             torch.manual_seed(0)
@@ -257,12 +268,12 @@ class TestEngineRobustness(DistributedTest):
                 gradient_accumulation_steps=2,
                 train_micro_batch_size_per_gpu=BATCH // (2 * dist.get_world_size()),
             )
-            engine, *_ = deepspeed.initialize(model=nn.Linear(WIDTH, 3), config=config)
+            engine, *_ = deepspeed.initialize(model=ReturnsLossAndLogits(), config=config)
             for x, y in data:
-                rows, targets = my_rows(x), my_rows(y)
-                for half in zip(rows.chunk(2), targets.chunk(2)):
-                    out, again = engine(half[0]), engine(half[0] * 0.5)
-                    loss = F.mse_loss(out, half[1]) + again.pow(2).mean()
+                for xs, ys in zip(my_rows(x).chunk(2), my_rows(y).chunk(2)):
+                    out = engine(xs, ys)
+                    direct = engine.module(xs * 0.5, ys)["logits"]  # the module itself, not the engine
+                    loss = out["loss"] + out["logits"].pow(2).mean() + direct.pow(2).mean()
                     loss.backward() if torch_style else engine.backward(loss)
                     engine.step()
             with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
@@ -271,32 +282,49 @@ class TestEngineRobustness(DistributedTest):
         for stage in (0, 1, 2, 3):
             assert all(torch.equal(a, b) for a, b in zip(train(stage, False), train(stage, True))), stage
 
-    def test_a_backward_that_bypasses_the_outputs_is_refused(self):
-        # A gradient that reached the parameters through a direct call of the module skips
-        # the engine's backward (the accumulation divisor, the last bucket's reduction): at
-        # stage 2 it waited in a bucket and was applied a step late. Refused, weights untouched.
+    def test_input_gradients_are_not_divided_by_the_accumulation_steps(self):
+        # A gradient penalty differentiates the output with respect to the input: plain PyTorch's
+        # value, whatever gradient_accumulation_steps says (only parameters' gradients are divided).
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1))
+        plain = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1))
+        plain.load_state_dict(model.state_dict())
+        config = sgd_config(zero_optimization={"stage": 1}, gradient_accumulation_steps=4)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        x = torch.randn(2, WIDTH, requires_grad=True)
+        (got,) = torch.autograd.grad(engine(x).sum(), x)
+        (want,) = torch.autograd.grad(plain(x).sum(), x)
+        assert torch.equal(got, want)
+
+    def test_another_engines_backward_through_this_one_is_refused(self):
+        # A GAN: the generator's engine.backward reaches the discriminator's parameters. Those
+        # gradients are not the discriminator's backward: refused at its step, weights untouched,
+        # unless its zero_grad discards them.
         x = torch.ones(BATCH // dist.get_world_size(), WIDTH)
         for stage in (0, 1, 2, 3):
             torch.manual_seed(0)
             config = sgd_config(zero_optimization={"stage": stage, "reduce_bucket_size": 10**6})
-            engine, *_ = deepspeed.initialize(model=nn.Linear(WIDTH, 1), config=config)
-            before = [p.detach().clone() for p in engine.module.parameters()] if stage < 3 else None
-            engine.module(x).sum().backward()
+            gen, *_ = deepspeed.initialize(model=nn.Linear(WIDTH, WIDTH), config=config)
+            disc, *_ = deepspeed.initialize(model=nn.Linear(WIDTH, 1), config=config)
+            before = [p.detach().clone() for p in disc.module.parameters()] if stage < 3 else None
+            gen.backward(disc(gen(x)).sum())
             with pytest.raises(
                 RuntimeError,
                 match=r"parameters \(.*weight.*\) came from a backward outside engine.backward\(loss\)",
             ):
-                engine.step()
+                disc.step()
             if before is not None:
-                assert all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
-            engine.module(x).sum().backward()
-            with pytest.raises(RuntimeError, match=r"^engine.backward\(\): .*loss.backward\(\)"):
-                engine.backward(engine(x).sum())
+                assert all(torch.equal(a, p) for a, p in zip(before, disc.module.parameters()))
+            gen.backward(disc(gen(x)).sum())
+            disc.zero_grad()  # the usual fix: the discriminator's own backward then goes through
+            disc.backward(disc(x).sum())
+            disc.step()
 
     def test_fp16_loss_backward_needs_engine_scale(self):
-        # A loss scale applied on the way out of the outputs would come after fp16 underflow:
-        # a plain loss.backward() raises before any gradient exists; engine.scale(loss)
-        # .backward() equals engine.backward bit for bit.
+        # A loss scale applied where gradients reach the parameters would come after fp16
+        # underflow: a plain loss.backward() raises before any gradient is accumulated;
+        # engine.scale(loss).backward() equals engine.backward bit for bit. A scale() whose
+        # result was not backpropagated vouches for nothing later, and scaling twice is refused.
         data = make_data(3, (WIDTH,))
 
         def train(how):
@@ -311,6 +339,16 @@ class TestEngineRobustness(DistributedTest):
                     with pytest.raises(RuntimeError, match=r"engine.scale\(loss\).backward\(\)"):
                         loss.backward()
                     assert all(p.grad is None for p in engine.module.parameters())
+                    loss = F.mse_loss(engine(my_rows(x).half()).float(), my_rows(y))  # that graph is spent
+                    engine.scale(loss)  # only to log it: then engine.backward, and the scale is spent
+                    engine.backward(loss)
+                    engine.step()
+                    with pytest.raises(RuntimeError, match=r"needs the loss scaled first"):
+                        F.mse_loss(engine(my_rows(x).half()).float(), my_rows(y)).backward()
+                    with pytest.raises(ValueError, match="scaled already"):
+                        engine.scale(engine.scale(loss))
+                    with pytest.raises(ValueError, match=r"not engine.scale\(loss\)"):
+                        engine.backward(engine.scale(loss))
                     return None
                 engine.scale(loss).backward() if how == "scale" else engine.backward(loss)
                 engine.step()
@@ -322,15 +360,15 @@ class TestEngineRobustness(DistributedTest):
     def test_a_torch_style_backward_that_raised_leaves_the_engine_usable(self):
         engine, reference = twin(OutsideUses)
         data = make_data(3, (WIDTH,))
-        out = engine(my_rows(data[0][0]))
 
         def failing(grad):
             raise ValueError("bad gradient")
 
-        out.register_hook(failing)  # runs after the engine's own hook began the backward
+        # Runs after the engine's own hook on the parameter, which began the backward.
+        handle = engine.module.head.bias.register_hook(failing)
         with pytest.raises(ValueError, match="bad gradient"):
-            F.mse_loss(out, my_rows(data[0][1])).backward()
-        del out
+            F.mse_loss(engine(my_rows(data[0][0])), my_rows(data[0][1])).backward()
+        handle.remove()
         engine.zero_grad()
         engine(my_rows(data[0][0]))  # the next forward closes the backward that never reached its end
         assert not engine._inside_backward  # else a later stray backward would pass for the engine's own

@@ -695,8 +695,9 @@ class ZeroStage3Optimizer(ZeROOptimizer):
         factor = 1.0 / scale
         if self.clip > 0 and norm > self.clip:
             factor *= self.clip / (norm + 1e-6)
-        if factor != 1.0:
-            torch._foreach_mul_(self._grads(), factor)
+        grads = self._grads() if factor != 1.0 else []
+        if grads:  # none: no backward ran since the last step (fp16's unscale has nothing to do)
+            torch._foreach_mul_(grads, factor)
         error = None
         self._stepping_client = True  # the client optimizer's guard (`_refuse_direct_steps`) lets it step
         try:
