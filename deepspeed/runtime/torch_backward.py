@@ -16,6 +16,12 @@ tensors (an HF model's `loss` and the `logits` it came from), an auxiliary loss 
 on itself, or a call of `engine.module(x)` directly, all get their gradients divided exactly
 once, and gradients with respect to inputs (`torch.autograd.grad`, a gradient penalty) are
 not divided at all, as in plain PyTorch. This holds at every stage (upstream: 1-3).
+Reentrant activation checkpointing runs each segment's backward as a graph task of its own,
+nested in the outer one; gradients arriving there belong to the backward under way. When the
+first gradient of a backward arrives inside such a segment (a segment reached before any other
+parameter), the end is queued on the segment's task, which ends first: the engine then
+reduces what came so far, and the rest of the backward begins again and reduces the rest;
+the same sums (stage 0-1 rounding aside), one more round of collectives.
 
 A loss scale cannot be applied on the way: a gradient that reaches a parameter in fp16 has
 underflowed already. So with fp16's loss scale the loss must be scaled where it is computed,
@@ -111,7 +117,8 @@ class TorchStyleBackward:
         self._scaled_by_caller = False
 
     def close_abandoned(self) -> None:
-        """A torch-style backward that raised never reached its end: undo its start."""
+        """A torch-style backward that raised never reached its end: undo its start (the engine
+        calls this at its next forward, backward or step)."""
         if self._task is not None:
             self._task = None
             self._engine._autograd_over(abandoned=True)
@@ -120,10 +127,10 @@ class TorchStyleBackward:
         """A gradient on its way into a parameter's `.grad` (see the note)."""
         if _RUNNING.depth and self._task is None:
             return grad  # an engine.backward's run: its loss is scaled already
-        task = torch._C._current_graph_task_id()
-        if task != self._task:
-            self.close_abandoned()
-            self._begin(task)
+        if self._task is None:
+            self._begin(torch._C._current_graph_task_id())
+        # Else this backward is under way: in its own graph task, or in one nested inside it
+        # (reentrant activation checkpointing runs a backward of its own for each segment).
         steps = self._engine.gradient_accumulation_steps()
         return grad if steps == 1 else grad / steps
 
