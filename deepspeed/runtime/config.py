@@ -57,8 +57,12 @@ from deepspeed.runtime.config_utils import (
     strip_auto_values,
     unsupported_when_true,
 )
-from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config, precision_attributes
-from deepspeed.runtime.torch_autocast import DeepSpeedTorchAutocastConfig
+from deepspeed.runtime.precision_config import (
+    DeepSpeedBF16Config,
+    DeepSpeedFP16Config,
+    DeepSpeedTorchAutocastConfig,
+    precision_attributes,
+)
 from deepspeed.runtime.zero.config import (
     ZERO_OPTIMIZATION,
     DeepSpeedZeroConfig,

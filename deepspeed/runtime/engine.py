@@ -294,10 +294,8 @@ class DeepSpeedEngine(CheckpointMethods, EngineQueries, nn.Module):
 
     def _init_torch_autocast(self) -> None:
         """Mark the safe modules' parameters; gradients are then reduced in each one's comm dtype."""
-        config = self._config
-        init_autocast_params(
-            self, config.torch_autocast_dtype, config.torch_autocast_lower_precision_safe_modules
-        )
+        section = self._config.torch_autocast
+        init_autocast_params(self, section.torch_dtype, section.lower_precision_safe_modules)
         if self.optimizer is not None:
             self.reducer.comm_dtypes = {
                 state.ds_id: get_comm_dtype(state.param) for state in self.optimizer.states

@@ -1,12 +1,14 @@
-"""The `fp16` and `bf16` sections of a DeepSpeed config, and the flat precision attributes
+"""The `fp16`, `bf16` and `torch_autocast` sections of a DeepSpeed config, and the flat precision attributes
 `DeepSpeedConfig` derives from them (`fp16_enabled`, `loss_scale`, `dynamic_loss_scale_args`, ...).
 
 Upstream's module path; `config.py` re-exports both section classes too.
 """
 
+import types
 from typing import Any, ClassVar, Optional
 
-from pydantic import Field
+import torch
+from pydantic import Field, field_validator
 
 from deepspeed.runtime.config_utils import (
     DeepSpeedConfigModel,
@@ -15,7 +17,13 @@ from deepspeed.runtime.config_utils import (
     unsupported_when_true,
 )
 
-__all__ = ["DeepSpeedBF16Config", "DeepSpeedFP16Config", "get_bfloat16_config", "precision_attributes"]
+__all__ = [
+    "DeepSpeedBF16Config",
+    "DeepSpeedFP16Config",
+    "DeepSpeedTorchAutocastConfig",
+    "get_bfloat16_config",
+    "precision_attributes",
+]
 
 
 class DeepSpeedFP16Config(DeepSpeedConfigModel):
@@ -84,6 +92,42 @@ class DeepSpeedBF16Config(DeepSpeedConfigModel):
 
     bf16_optimizer_states: bool = False
     """Upstream: keep optimizer states in bfloat16; true is refused (always fp32)."""
+
+
+_AUTOCAST_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+_AUTOCAST_DTYPES = types.MappingProxyType(_AUTOCAST_DTYPES)  # read-only from here on
+
+
+class DeepSpeedTorchAutocastConfig(DeepSpeedConfigModel):
+    """`torch_autocast`: the engine's forward under `torch.autocast` ([Note: torch_autocast] in torch_autocast.py)."""
+
+    enabled: bool = False
+    """Run `engine.forward` under `torch.autocast` with `dtype`."""
+
+    dtype: str = "bfloat16"
+    """The autocast dtype: "bfloat16" or "float16" (also "torch.bfloat16", "bf16", "fp16")."""
+
+    lower_precision_safe_modules: Optional[list[str]] = None
+    """Qualified class names whose parameters' gradients are reduced in `dtype` (default:
+    torch.nn.Linear, Conv1d, Conv2d, Conv3d)."""
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _known_dtype(cls, value: Any) -> str:
+        name = str(value).lower().removeprefix("torch.")
+        if name not in _AUTOCAST_DTYPES:
+            raise ValueError(f"torch_autocast.dtype={value!r}: use 'bfloat16' or 'float16'")
+        return "bfloat16" if _AUTOCAST_DTYPES[name] is torch.bfloat16 else "float16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _AUTOCAST_DTYPES[self.dtype]
 
 
 def get_bfloat16_config(param_dict: dict) -> DeepSpeedBF16Config:

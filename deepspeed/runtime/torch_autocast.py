@@ -32,10 +32,9 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
-from pydantic import field_validator
 
 from deepspeed import process_state
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from deepspeed.runtime.precision_config import DeepSpeedTorchAutocastConfig
 from deepspeed.utils.logging import log_dist
 
 __all__ = [
@@ -60,40 +59,6 @@ LOWER_PRECISION_SAFE_MODULES = (
     "torch.nn.Conv3d",
 )
 PARAM_COMM_DTYPE_ATTR_NAME = "comm_dtype"
-
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
-class DeepSpeedTorchAutocastConfig(DeepSpeedConfigModel):
-    """`torch_autocast`: the engine's forward under `torch.autocast` (see [Note: torch_autocast])."""
-
-    enabled: bool = False
-    """Run `engine.forward` under `torch.autocast` with `dtype`."""
-
-    dtype: str = "bfloat16"
-    """The autocast dtype: "bfloat16" or "float16" (also "torch.bfloat16", "bf16", "fp16")."""
-
-    lower_precision_safe_modules: Optional[list[str]] = None
-    """Qualified class names whose parameters' gradients are reduced in `dtype` (default:
-    torch.nn.Linear, Conv1d, Conv2d, Conv3d)."""
-
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _known_dtype(cls, value: Any) -> str:
-        name = str(value).lower().removeprefix("torch.")
-        if name not in _DTYPES:
-            raise ValueError(f"torch_autocast.dtype={value!r}: use 'bfloat16' or 'float16'")
-        return "bfloat16" if _DTYPES[name] is torch.bfloat16 else "float16"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
 
 
 class _AutocastState:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import types
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -316,6 +317,7 @@ _AUTOCAST_FP16_SCALING = {
     "min_scale": 2.0**-24,
     "raise_error_at_min_scale": False,
 }
+_AUTOCAST_FP16_SCALING = types.MappingProxyType(_AUTOCAST_FP16_SCALING)  # read-only from here on
 
 
 def loss_scaler_for(config: Any) -> LossScalerBase:
