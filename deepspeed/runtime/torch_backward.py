@@ -5,17 +5,18 @@ Upstream DeepSpeed 0.19 lets a training loop call `loss.backward()` (or `out.bac
 on what the engine's forward returned, then `engine.step()`, as with a plain module; the
 result equals `engine.backward(loss)`'s. Here every trainable parameter carries a tensor
 hook (`on_param_grad`), which sees each gradient a backward brings to the parameter before
-autograd adds it to `param.grad`. When such a gradient arrives in an autograd run that no
-`engine.backward` started (a new graph task, `torch._C._current_graph_task_id()`), the engine
-does what `engine.backward` does before autograd (`_backward_prologue`), before that first
-gradient is accumulated, and queues on that graph task a callback that does what it does
-after (`_backward_epilogue`: the last buckets reduced, stages 0-1's reduction at the
+autograd adds it to `param.grad`. When such a gradient arrives while no backward of this
+engine is under way and no `engine.backward` runs, the engine does what `engine.backward` does
+before autograd (`_backward_prologue`), before that first gradient is accumulated, and queues
+on the autograd run (its graph task) a callback that does what it does after (`_backward_epilogue`: the last buckets reduced, stages 0-1's reduction at the
 boundary). Each gradient is divided by `gradient_accumulation_steps` where it reaches its
 parameter, as `engine.backward` divides the loss: so a loss computed from several returned
 tensors (an HF model's `loss` and the `logits` it came from), an auxiliary loss a module kept
 on itself, or a call of `engine.module(x)` directly, all get their gradients divided exactly
 once, and gradients with respect to inputs (`torch.autograd.grad`, a gradient penalty) are
-not divided at all, as in plain PyTorch. This holds at every stage (upstream: 1-3).
+not divided at all, as in plain PyTorch. This holds at every stage (upstream: 1-3). (So
+`torch.autograd.grad(loss, params)` returns gradients divided by the accumulation steps too,
+like everything a backward brings to the parameters.)
 Reentrant activation checkpointing runs each segment's backward as a graph task of its own,
 nested in the outer one; gradients arriving there belong to the backward under way. When the
 first gradient of a backward arrives inside such a segment (a segment reached before any other
@@ -77,7 +78,7 @@ class TorchStyleBackward:
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
-        self._task: Optional[int] = None  # the graph task of the torch-style backward under way
+        self._active = False  # a torch-style backward is under way (its end is queued)
         self._scaled_by_caller = False  # engine.scale(loss) applied the loss scale for the next one
         self._last_scaled: Optional[weakref.ref] = None  # what engine.scale returned last
 
@@ -119,22 +120,22 @@ class TorchStyleBackward:
     def close_abandoned(self) -> None:
         """A torch-style backward that raised never reached its end: undo its start (the engine
         calls this at its next forward, backward or step)."""
-        if self._task is not None:
-            self._task = None
+        if self._active:
+            self._active = False
             self._engine._autograd_over(abandoned=True)
 
     def on_param_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient on its way into a parameter's `.grad` (see the note)."""
-        if _RUNNING.depth and self._task is None:
-            return grad  # an engine.backward's run: its loss is scaled already
-        if self._task is None:
-            self._begin(torch._C._current_graph_task_id())
+        if not self._active:
+            if _RUNNING.depth:
+                return grad  # an engine.backward's run: its loss is scaled already
+            self._begin()
         # Else this backward is under way: in its own graph task, or in one nested inside it
         # (reentrant activation checkpointing runs a backward of its own for each segment).
         steps = self._engine.gradient_accumulation_steps()
         return grad if steps == 1 else grad / steps
 
-    def _begin(self, task: int) -> None:
+    def _begin(self) -> None:
         engine = self._engine
         scaled, self._scaled_by_caller = self._scaled_by_caller, False
         if engine.optimizer.loss_scale != 1.0 and not scaled:
@@ -143,10 +144,10 @@ class TorchStyleBackward:
                 f"{engine.optimizer.loss_scale}): call engine.backward(loss), or engine.scale(loss).backward()"
             )
         engine._backward_prologue("loss.backward()")
-        self._task = task
+        self._active = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
     def _end(self) -> None:
-        self._task = None
+        self._active = False
         self._engine._autograd_over()
         self._engine._backward_epilogue()
